@@ -1,0 +1,43 @@
+"""Packaging for towers. TensorFlow is an extra so that installing towers
+never replaces a TensorFlow already there (tensorflow-cpu, a GPU build)."""
+
+import os
+import re
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version():
+  with open(os.path.join(HERE, "towers", "__init__.py")) as f:
+    return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
+def _readme():
+  with open(os.path.join(HERE, "README.md")) as f:
+    return f.read()
+
+
+setup(
+    name="towers",
+    version=_version(),
+    description="In-graph multi-GPU data parallelism (the CIFAR-10 tower "
+    "recipe) for TensorFlow 1.x-style graph-mode code",
+    long_description=_readme(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["towers", "towers.*"]),
+    python_requires=">=3.9",
+    install_requires=["numpy"],
+    extras_require={
+        "tf": ["tensorflow>=2.12,<2.22"],
+        "test": ["pytest>=7"],
+        "bench": ["matplotlib"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+    license="Apache-2.0",
+)

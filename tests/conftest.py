@@ -1,0 +1,51 @@
+"""Test configuration: which kind of variables the whole run uses.
+
+``pytest`` runs under TensorFlow 2 defaults (resource variables, graphs built
+explicitly); ``pytest --ref-variables`` runs under
+``tf.disable_v2_behavior()`` (ref variables, the original recipe's world).
+The switch is global in TensorFlow, so it is made once per process here.
+"""
+
+import os
+
+import pytest
+
+import tensorflow.compat.v1 as tf
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--ref-variables", action="store_true",
+      help="run under tf.disable_v2_behavior(), so tf.get_variable makes "
+      "ref variables")
+
+
+def pytest_configure(config):
+  if config.getoption("--ref-variables"):
+    tf.disable_v2_behavior()
+
+
+def pytest_report_header(config):
+  kind = "ref" if config.getoption("--ref-variables") else "resource"
+  return "towers: TensorFlow %s, %s variables" % (tf.__version__, kind)
+
+
+@pytest.fixture(scope="session")
+def variable_op_type(pytestconfig):
+  """The op type every tf.get_variable of this run must create."""
+  return "VariableV2" if pytestconfig.getoption("--ref-variables") \
+      else "VarHandleOp"
+
+
+@pytest.fixture(scope="session")
+def mnist_dir():
+  """The real MNIST files, or a skip saying where they were looked for."""
+  path = os.environ.get("TOWERS_MNIST_DIR",
+                        os.path.join(os.path.dirname(__file__), "..", "..",
+                                     "shared", "data", "mnist"))
+  names = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+           "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
+  if not all(os.path.exists(os.path.join(path, n)) for n in names):
+    pytest.skip("the real MNIST files are not in %s (set TOWERS_MNIST_DIR)"
+                % os.path.abspath(path))
+  return os.path.abspath(path)

@@ -1,0 +1,89 @@
+"""A small model and its single-device reference, shared by the tests."""
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+import towers
+
+IN, HIDDEN, CLASSES = 6, 5, 3
+DECAY = 0.01
+
+
+def initial_values(seed=0):
+  rng = np.random.RandomState(seed)
+  return {
+      "hidden/w": rng.normal(0, 0.5, (IN, HIDDEN)).astype(np.float32),
+      "hidden/b": rng.normal(0, 0.1, (HIDDEN,)).astype(np.float32),
+      "logits/w": rng.normal(0, 0.5, (HIDDEN, CLASSES)).astype(np.float32),
+      "logits/b": rng.normal(0, 0.1, (CLASSES,)).astype(np.float32),
+  }
+
+
+def batch(size, seed=1):
+  rng = np.random.RandomState(seed)
+  x = rng.normal(0, 1, (size, IN)).astype(np.float32)
+  y = rng.randint(0, CLASSES, size).astype(np.int32)
+  return x, y
+
+
+def _layer(name, inputs, values, regularize):
+  with tf.variable_scope(name):
+    reg = (lambda w: DECAY * tf.nn.l2_loss(w)) if regularize else None
+    w = tf.get_variable("w", initializer=values[name + "/w"], regularizer=reg)
+    b = tf.get_variable("b", initializer=values[name + "/b"])
+    return tf.matmul(inputs, w) + b
+
+
+def loss_fn(x, y, regularize=False, values=None):
+  """Mean cross-entropy of a two-layer net, plus weight decay if asked."""
+  values = values or initial_values()
+  hidden = tf.tanh(_layer("hidden", x, values, regularize))
+  logits = _layer("logits", hidden, values, regularize)
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=y, logits=logits))
+  if regularize:
+    loss += tf.losses.get_regularization_loss()
+  return loss
+
+
+def model_fn(regularize=False):
+  return lambda scope, x, y: loss_fn(x, y, regularize)
+
+
+def devices(n):
+  return ["/cpu:%d" % i for i in range(n)]
+
+
+def session(graph, num_devices=4):
+  return tf.Session(graph=graph,
+                    config=towers.virtual_cpu_config(num_devices))
+
+
+def reference_gradients(x, y, regularize=False):
+  """Loss and {variable name: gradient} of the model on one device."""
+  with tf.Graph().as_default() as g:
+    loss = loss_fn(tf.constant(x), tf.constant(y), regularize)
+    variables = tf.trainable_variables()
+    grads = tf.gradients(loss, variables)
+    with session(g, 1) as sess:
+      sess.run(tf.global_variables_initializer())
+      loss_value, grad_values = sess.run([loss, grads])
+  return loss_value, {v.op.name: gv for v, gv in zip(variables, grad_values)}
+
+
+def reference_training(x, y, make_opt, steps, regularize=False):
+  """Variable values after `steps` single-device steps of opt.minimize."""
+  with tf.Graph().as_default() as g:
+    loss = loss_fn(tf.constant(x), tf.constant(y), regularize)
+    train_op = make_opt().minimize(
+        loss, gate_gradients=tf.train.Optimizer.GATE_GRAPH)
+    with session(g, 1) as sess:
+      sess.run(tf.global_variables_initializer())
+      losses = []
+      for _ in range(steps):
+        # Separate runs: with ref variables an in-place update could race a
+        # loss fetched in the same run.
+        losses.append(sess.run(loss))
+        sess.run(train_op)
+      values = {v.op.name: sess.run(v) for v in tf.trainable_variables()}
+  return losses, values

@@ -1,0 +1,156 @@
+"""average_gradients on its own: None, sparse, weights, the barrier."""
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import towers
+
+
+def _variables(*shapes):
+  return [tf.get_variable("v%d" % i, shape, initializer=tf.zeros_initializer())
+          for i, shape in enumerate(shapes)]
+
+
+def _ancestors(tensor):
+  seen, stack = set(), [tensor.op]
+  while stack:
+    op = stack.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    stack.extend(t.op for t in op.inputs)
+    stack.extend(op.control_inputs)
+  return seen
+
+
+def test_dense_mean_is_weighted_sum_of_towers():
+  with tf.Graph().as_default(), tf.Session() as sess:
+    v, = _variables([3])
+    grads = [np.array([1., 2., 3.], np.float32),
+             np.array([3., 2., 1.], np.float32),
+             np.array([0., 4., 8.], np.float32)]
+    tower_grads = [[(tf.constant(g), v)] for g in grads]
+    (mean, var), = towers.average_gradients(tower_grads)
+    (weighted, _), = towers.average_gradients(tower_grads, [0.5, 0.25, 0.25])
+    assert var is v
+    np.testing.assert_allclose(sess.run(mean), np.mean(grads, axis=0),
+                               rtol=1e-6)
+    np.testing.assert_allclose(sess.run(weighted),
+                               0.5 * grads[0] + 0.25 * grads[1]
+                               + 0.25 * grads[2], rtol=1e-6)
+
+
+def test_tensor_weights_are_used_as_given():
+  with tf.Graph().as_default(), tf.Session() as sess:
+    v, = _variables([2])
+    w = tf.placeholder(tf.float32, [])
+    tower_grads = [[(tf.constant([2., 4.]), v)], [(tf.constant([4., 8.]), v)]]
+    (avg, _), = towers.average_gradients(tower_grads, [w, 1 - w])
+    np.testing.assert_allclose(sess.run(avg, {w: 0.75}), [2.5, 5.0])
+
+
+def test_none_gradient_in_every_tower_passes_through():
+  with tf.Graph().as_default():
+    a, b = _variables([2], [2])
+    tower_grads = [[(None, a), (tf.ones([2]), b)] for _ in range(3)]
+    averaged = towers.average_gradients(tower_grads)
+    assert averaged[0] == (None, a)
+    assert averaged[1][1] is b and averaged[1][0] is not None
+
+
+def test_none_gradient_in_some_towers_is_an_error_naming_the_variable():
+  with tf.Graph().as_default():
+    a, = _variables([2])
+    tower_grads = [[(tf.ones([2]), a)], [(None, a)]]
+    with pytest.raises(ValueError, match=r"v0.*None in tower\(s\) 1"):
+      towers.average_gradients(tower_grads)
+
+
+def test_sparse_gradients_stay_sparse_and_sum_like_dense():
+  with tf.Graph().as_default(), tf.Session() as sess:
+    emb, = _variables([5, 2])
+    slices = [
+        tf.IndexedSlices(tf.constant([[1., 1.], [2., 2.]]),
+                         tf.constant([0, 3]), tf.constant([5, 2])),
+        tf.IndexedSlices(tf.constant([[4., 4.]]), tf.constant([3]),
+                         tf.constant([5, 2])),
+    ]
+    (avg, _), = towers.average_gradients([[(s, emb)] for s in slices],
+                                         [0.75, 0.25])
+    assert isinstance(avg, tf.IndexedSlices)
+    graph_ops = {op.type for op in tf.get_default_graph().get_operations()}
+    assert not graph_ops & {"UnsortedSegmentSum", "ScatterNd"}
+    dense = sess.run(tf.convert_to_tensor(avg))
+    want = np.zeros((5, 2), np.float32)
+    want[0] += 0.75 * 1
+    want[3] += 0.75 * 2 + 0.25 * 4
+    np.testing.assert_allclose(dense, want)
+
+
+def test_gather_gradients_from_towers_are_not_densified():
+  with tf.Graph().as_default(), tf.Session(
+      config=towers.virtual_cpu_config(2)) as sess:
+
+    def model_fn(scope, ids):
+      emb = tf.get_variable("emb", initializer=np.arange(
+          12, dtype=np.float32).reshape(6, 2))
+      return tf.reduce_mean(tf.square(tf.gather(emb, ids)))
+
+    ids = tf.constant([0, 1, 1, 5])
+    t = towers.build_towers(model_fn, tf.train.GradientDescentOptimizer(1.0),
+                            2, inputs=ids, devices=["/cpu:0", "/cpu:1"])
+    (avg, emb), = towers.average_gradients(t.tower_grads, t.weights)
+    assert all(isinstance(g, tf.IndexedSlices) for g, _ in
+               (tower[0] for tower in t.tower_grads))
+    assert isinstance(avg, tf.IndexedSlices)
+    want = tf.gradients(
+        tf.reduce_mean(tf.square(tf.gather(emb, ids))), emb)[0]
+    sess.run(tf.global_variables_initializer())
+    got, want = sess.run([tf.convert_to_tensor(avg),
+                          tf.convert_to_tensor(want)])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_every_averaged_gradient_waits_for_every_tower_gradient():
+  # The synchronization point: no update may start while any tower's
+  # backprop still runs (pitfall P15 with ref variables and GATE_NONE).
+  with tf.Graph().as_default():
+    a, b = _variables([2], [2])
+    tower_grads = [[(tf.fill([2], float(i)), a),
+                    (tf.IndexedSlices(tf.ones([1, 2]) * i, tf.constant([i])),
+                     b)]
+                   for i in range(3)]
+    averaged = towers.average_gradients(tower_grads)
+    for grad, _ in averaged:
+      tensors = [grad.values, grad.indices] if isinstance(
+          grad, tf.IndexedSlices) else [grad]
+      ancestors = set().union(*(_ancestors(t) for t in tensors))
+      for tower in tower_grads:
+        for g, _ in tower:
+          parts = [g.values, g.indices] if isinstance(
+              g, tf.IndexedSlices) else [g]
+          assert all(p.op in ancestors for p in parts)
+
+
+def test_one_tower_is_an_identity_behind_the_barrier():
+  with tf.Graph().as_default(), tf.Session() as sess:
+    a, = _variables([2])
+    g = tf.constant([1., 2.])
+    (avg, _), = towers.average_gradients([[(g, a)]])
+    assert avg is not g
+    np.testing.assert_allclose(sess.run(avg), [1., 2.])
+
+
+def test_gradients_are_averaged_next_to_their_variable():
+  with tf.Graph().as_default():
+    with tf.device("/cpu:3"):
+      a, = _variables([2])
+    tower_grads = []
+    for i in range(2):
+      with tf.device("/cpu:%d" % i):
+        tower_grads.append([(tf.ones([2]) * i, a)])
+    (avg, _), = towers.average_gradients(tower_grads, [0.25, 0.75])
+    assert avg.device == a.device == "/device:CPU:3"
+    assert not [op for op in tf.get_default_graph().get_operations()
+                if op.type == "ConcatV2"]

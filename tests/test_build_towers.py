@@ -1,0 +1,258 @@
+"""What build_towers builds: names, placement, inputs, collections, scope."""
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import towers
+from models import batch, devices, model_fn, session
+
+
+def _build(num=2, **kwargs):
+  x, y = batch(8)
+  kwargs.setdefault("inputs", (tf.constant(x), tf.constant(y)))
+  kwargs.setdefault("devices", devices(num))
+  return towers.build_towers(model_fn(regularize=True),
+                             tf.train.GradientDescentOptimizer(0.1), num,
+                             **kwargs)
+
+
+def _variable_ops(graph):
+  return [op for op in graph.get_operations()
+          if op.type in ("VariableV2", "VarHandleOp")]
+
+
+def test_variables_keep_single_device_names_and_ops_carry_the_tower(
+    variable_op_type):
+  with tf.Graph().as_default() as g:
+    t = _build(3)
+    assert sorted(v.op.name for v in tf.trainable_variables()) == [
+        "hidden/b", "hidden/w", "logits/b", "logits/w"]
+    assert {op.type for op in _variable_ops(g)} == {variable_op_type}
+    assert t.scopes == ["tower_0/", "tower_1/", "tower_2/"]
+    for i in range(3):
+      tower_ops = [op for op in g.get_operations()
+                   if op.name.startswith("tower_%d/" % i)]
+      assert any(op.type == "MatMul" for op in tower_ops)
+    for tower, scope in zip(t.tower_grads, t.scopes):
+      assert all(grad.name.startswith(scope) for grad, _ in tower)
+
+
+@pytest.mark.parametrize("variable_device,want", [
+    ("cpu", ["/device:CPU:0"] * 4),
+    ("gpu", ["/device:CPU:1"] * 4),
+    ("/cpu:3", ["/device:CPU:3"] * 4),
+    (lambda op: "/cpu:2", ["/device:CPU:2"] * 4),
+])
+def test_variables_go_to_the_chosen_device(variable_device, want):
+  with tf.Graph().as_default() as g:
+    _build(2, devices=["/cpu:1", "/cpu:2"], variable_device=variable_device)
+    got = [op.device for op in sorted(_variable_ops(g), key=lambda o: o.name)]
+    assert got == want
+
+
+def test_balanced_placement_spreads_variables_by_bytes():
+  with tf.Graph().as_default() as g:
+
+    def model(scope):
+      sizes = [100, 60, 50, 10]
+      total = 0.
+      for i, n in enumerate(sizes):
+        total += tf.reduce_sum(tf.get_variable("v%d" % i, [n]))
+      return total
+
+    towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 2,
+                        devices=["/cpu:0", "/cpu:1"],
+                        variable_device="balanced")
+    placed = {op.name: op.device for op in _variable_ops(g)}
+    # Greedy: 100 -> cpu0, 60 -> cpu1, 50 -> cpu1 (60 < 100), 10 -> cpu0.
+    assert placed == {"v0": "/device:CPU:0", "v1": "/device:CPU:1",
+                      "v2": "/device:CPU:1", "v3": "/device:CPU:0"}
+
+
+def test_every_tower_op_runs_on_its_tower_device():
+  with tf.Graph().as_default() as g:
+    t = _build(3, devices=["/cpu:1", "/cpu:2", "/cpu:3"])
+    for scope, device in zip(t.scopes, t.devices):
+      want = tf.DeviceSpec.from_string(device).to_string()
+      for op in g.get_operations():
+        if not op.name.startswith(scope):
+          continue
+        if op.type == "ReadVariableOp":
+          # TensorFlow clears the device of resource reads on purpose; its
+          # placer puts them next to the variable, as ref reads are.
+          assert op.device == "", op.name
+        else:
+          assert op.device == want, op.name
+
+
+def test_an_explicit_device_in_model_code_wins():
+  with tf.Graph().as_default():
+
+    def model(scope):
+      with tf.device("/cpu:3"):
+        pinned = tf.constant(2.0, name="pinned")
+      v = tf.get_variable("v", [], initializer=tf.ones_initializer())
+      return pinned * v
+
+    t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 2,
+                            devices=["/cpu:0", "/cpu:1"])
+    assert tf.get_default_graph().get_operation_by_name(
+        "tower_1/pinned").device == "/device:CPU:3"
+    assert t.losses[1].device == "/device:CPU:1"
+
+
+def test_callable_inputs_give_each_tower_its_own_batch():
+  with tf.Graph().as_default() as g:
+    data = tf.data.Dataset.from_tensor_slices(
+        np.arange(40, dtype=np.float32).reshape(20, 2)).batch(5)
+    iterator = tf.data.make_one_shot_iterator(data)
+
+    def model(scope, x):
+      v = tf.get_variable("v", [2], initializer=tf.ones_initializer())
+      return tf.reduce_mean(x * v), x
+
+    t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 2,
+                            inputs=iterator.get_next, devices=devices(2))
+    assert t.weights == [0.5, 0.5] or all(
+        isinstance(w, tf.Tensor) for w in t.weights)
+    with session(g, 2) as sess:
+      sess.run(tf.global_variables_initializer())
+      a, b, weights = sess.run(t.outputs + [t.weights])
+    assert sorted([a[0, 0], b[0, 0]]) == [0., 10.]
+    np.testing.assert_allclose(weights, [0.5, 0.5])
+
+
+def test_callable_inputs_with_a_partial_batch_weigh_by_size():
+  with tf.Graph().as_default() as g:
+    data = tf.data.Dataset.from_tensor_slices(
+        np.ones((7, 2), np.float32)).batch(4)
+    iterator = tf.data.make_one_shot_iterator(data)
+
+    def model(scope, x):
+      v = tf.get_variable("v", [2], initializer=tf.ones_initializer())
+      return tf.reduce_mean(x * v)
+
+    t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 2,
+                            inputs=iterator.get_next, devices=devices(2))
+    with session(g, 2) as sess:
+      # Which tower dequeues first is up to the runtime.
+      np.testing.assert_allclose(sorted(sess.run(t.weights)), [3 / 7, 4 / 7])
+
+
+def test_model_builds_its_own_input_without_inputs():
+  with tf.Graph().as_default() as g:
+    calls = []
+
+    def model(scope):
+      calls.append(scope)
+      v = tf.get_variable("v", [], initializer=tf.ones_initializer())
+      return v * 2.0
+
+    t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 3,
+                            devices=devices(3))
+    assert calls == ["tower_0/", "tower_1/", "tower_2/"]
+    assert t.weights == [1 / 3] * 3
+    with session(g, 3) as sess:
+      sess.run(tf.global_variables_initializer())
+      assert sess.run(t.loss) == pytest.approx(2.0)
+
+
+def test_single_tensor_input_is_one_argument():
+  with tf.Graph().as_default():
+    seen = []
+
+    def model(scope, *args):
+      seen.append(len(args))
+      v = tf.get_variable("v", [3], initializer=tf.ones_initializer())
+      return tf.reduce_sum(args[0] * v)
+
+    towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 2,
+                        inputs=tf.ones([4, 3]), devices=devices(2))
+    assert seen == [1, 1]
+
+
+def test_shards_differ_by_at_most_one_example():
+  with tf.Graph().as_default():
+    sizes = []
+
+    def model(scope, x):
+      sizes.append(x.shape[0])
+      return tf.reduce_sum(x * tf.get_variable("v", [], dtype=tf.float32))
+
+    t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 4,
+                            inputs=tf.ones([10]), devices=devices(4))
+    assert sizes == [3, 3, 2, 2]
+    assert t.weights == [0.3, 0.3, 0.2, 0.2]
+
+
+def test_a_dynamic_batch_smaller_than_the_towers_fails_at_run_time():
+  with tf.Graph().as_default() as g:
+    x = tf.placeholder(tf.float32, [None, 2])
+    t = towers.build_towers(
+        lambda scope, x: tf.reduce_mean(x * tf.get_variable("v", [2])),
+        tf.train.GradientDescentOptimizer(0.1), 3, inputs=x,
+        devices=devices(3))
+    with session(g, 3) as sess:
+      sess.run(tf.global_variables_initializer())
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match="global batch is smaller than num_gpus=3"):
+        sess.run(t.loss, {x: np.ones((2, 2))})
+
+
+def test_update_ops_are_the_first_towers_and_summaries_the_last_towers():
+  with tf.Graph().as_default():
+
+    def model(scope):
+      v = tf.get_variable("v", [], initializer=tf.ones_initializer())
+      counter = tf.get_variable("counter", [], trainable=False,
+                                initializer=tf.zeros_initializer())
+      tf.add_to_collection(tf.GraphKeys.UPDATE_OPS,
+                           tf.assign_add(counter, 1.0))
+      loss = v * 3.0
+      tf.summary.scalar("loss", loss)
+      return loss
+
+    t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 3,
+                            devices=devices(3))
+    assert len(t.update_ops) == 1
+    assert t.update_ops[0].name.startswith("tower_0/")
+    assert len(t.summaries) == 1
+    assert t.summaries[0].name.startswith("tower_2/")
+
+
+def test_outputs_are_handed_back_per_tower():
+  with tf.Graph().as_default():
+
+    def model(scope):
+      v = tf.get_variable("v", [], initializer=tf.ones_initializer())
+      return v * 2.0, {"scope": scope}
+
+    t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 2,
+                            devices=devices(2))
+    assert t.outputs == [{"scope": "tower_0/"}, {"scope": "tower_1/"}]
+
+
+def test_the_callers_scope_is_not_left_reusing():
+  with tf.Graph().as_default():
+    with tf.variable_scope("model"):
+      _build(2)
+      assert not tf.get_variable_scope().reuse
+      tf.get_variable("created_after", [1])
+    assert not tf.get_variable_scope().reuse
+
+
+def test_default_devices_are_gpus_and_default_gate_is_none():
+  with tf.Graph().as_default():
+    seen = {}
+
+    class Recording(tf.train.GradientDescentOptimizer):
+
+      def compute_gradients(self, loss, **kwargs):
+        seen.update(kwargs)
+        return super().compute_gradients(loss, **kwargs)
+
+    t = towers.build_towers(model_fn(), Recording(0.1), 2,
+                            inputs=tuple(map(tf.constant, batch(4))))
+    assert t.devices == ["/gpu:0", "/gpu:1"]
+    assert seen == {"gate_gradients": tf.train.Optimizer.GATE_NONE}

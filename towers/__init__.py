@@ -1,0 +1,21 @@
+"""In-graph multi-GPU data parallelism for TensorFlow 1.x-style graphs."""
+
+from towers._devices import tower_devices
+from towers._devices import virtual_cpu_config
+from towers._gradients import average_gradients
+from towers._gradients import GradsAndVars
+from towers._replicate import build_towers
+from towers._replicate import Towers
+from towers._train import minimize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GradsAndVars",
+    "Towers",
+    "average_gradients",
+    "build_towers",
+    "minimize",
+    "tower_devices",
+    "virtual_cpu_config",
+]

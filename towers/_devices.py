@@ -1,0 +1,59 @@
+"""Devices for machines with fewer GPUs than towers: virtual CPU devices."""
+
+from typing import List
+
+import tensorflow.compat.v1 as tf
+
+
+def check_count(name: str, value: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError("expected %s to be a positive int, got %r" % (name, value))
+  if value < 1:
+    raise ValueError("expected %s to be a positive int, got %d" % (name, value))
+
+
+def virtual_cpu_config(num_cpus: int, **config_kwargs) -> tf.ConfigProto:
+  """Returns a session config with `num_cpus` virtual CPU devices.
+
+  The devices are ``/cpu:0`` to ``/cpu:{num_cpus - 1}``; they share the
+  machine's cores and one thread pool, so they show placement and correctness,
+  not speed. Soft placement is on, so ops pinned to a GPU fall back to a CPU
+  on a machine without one.
+
+  Args:
+    num_cpus: how many CPU devices the session sees.
+    **config_kwargs: further ``tf.ConfigProto`` fields (for example
+      ``log_device_placement=True``); they win over the defaults above.
+
+  Returns:
+    A ``tf.ConfigProto`` for ``tf.Session`` or ``MonitoredTrainingSession``.
+
+  Raises:
+    TypeError, ValueError: if `num_cpus` is not a positive int.
+  """
+  check_count("num_cpus", num_cpus)
+  config_kwargs.setdefault("allow_soft_placement", True)
+  return tf.ConfigProto(device_count={"CPU": num_cpus}, **config_kwargs)
+
+
+def tower_devices(num_towers: int) -> List[str]:
+  """Lists one device per tower: GPUs when that many are visible, else CPUs.
+
+  With at least `num_towers` visible GPUs the result is ``['/gpu:0', ...]``;
+  otherwise it is ``['/cpu:0', ..., '/cpu:{num_towers - 1}']``, which exist
+  only in a session made with ``virtual_cpu_config(num_towers)``. It asks the
+  runtime for its physical devices and does nothing else.
+
+  Args:
+    num_towers: the number of towers.
+
+  Returns:
+    A list of `num_towers` device strings.
+
+  Raises:
+    TypeError, ValueError: if `num_towers` is not a positive int.
+  """
+  check_count("num_towers", num_towers)
+  gpus = tf.config.list_physical_devices("GPU")
+  kind = "gpu" if len(gpus) >= num_towers else "cpu"
+  return ["/%s:%d" % (kind, i) for i in range(num_towers)]

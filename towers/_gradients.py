@@ -1,0 +1,196 @@
+"""Averaging the towers' gradients: the synchronization point."""
+
+import numbers
+from typing import List, Optional, Sequence, Tuple, Union
+
+import tensorflow.compat.v1 as tf
+
+Gradient = Union[tf.Tensor, tf.IndexedSlices]
+GradsAndVars = List[Tuple[Optional[Gradient], tf.Variable]]
+Weight = Union[float, tf.Tensor]
+
+
+def average_gradients(tower_grads: Sequence[GradsAndVars],
+                      weights: Optional[Sequence[Weight]] = None
+                     ) -> GradsAndVars:
+  """Averages each variable's gradient over the towers.
+
+  This is the synchronization point across all towers. Per variable, the
+  result is ``sum_i weights[i] * grad_i`` (the plain mean when `weights` is
+  None), computed next to the variable: dense gradients are summed with
+  ``tf.add_n`` (no ``[num_towers, ...]`` concat buffer), sparse
+  ``tf.IndexedSlices`` stay sparse (indices concatenated, values scaled).
+
+  Every averaged gradient also waits for every gradient of every tower. With
+  ref variables and ``gate_gradients=0`` this is what makes
+  ``opt.apply_gradients(average_gradients(...))`` the exact single-device
+  update: no variable is updated in place while another tower's backprop may
+  still read it (the same guarantee as ``GATE_GRAPH``).
+
+  It does not sum (scale the loss for that), clip (clip the result: the norm
+  of the average is what matters) or densify mixed dense and sparse
+  gradients of one variable other than by converting them all to dense.
+
+  Args:
+    tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
+      list as returned by ``opt.compute_gradients`` for the same variables in
+      the same order.
+    weights: ``[num_towers]`` of each tower's share of the global batch,
+      Python numbers summing to 1 or scalar tensors; None for equal shares.
+
+  Returns:
+    ``[num_vars]`` of ``(grad, var)`` in the first tower's order, with the
+    first tower's variables. A variable whose gradient is None in every tower
+    stays ``(None, var)``.
+
+  Raises:
+    ValueError: if `tower_grads` is empty, the towers' variable lists differ
+      (in length or in the variable at a position), a gradient is None in some
+      towers only, or `weights` has the wrong length or does not sum to 1.
+    TypeError: if an entry is not a ``(grad, var)`` pair or a gradient is not
+      a tensor, ``tf.IndexedSlices`` or None.
+  """
+  _check_tower_grads(tower_grads)
+  weights = _check_weights(weights, len(tower_grads))
+  flat = [t for tower in tower_grads for g, _ in tower for t in _tensors(g)]
+  with tf.name_scope("average_gradients"):
+    # One NoOp per device, then one root: tf.group keeps the cross-device
+    # control edges to one per device instead of one per gradient.
+    barrier = [tf.group(*flat, name="all_towers_done")] if flat else []
+    averaged = []
+    for pairs in zip(*tower_grads):
+      var = pairs[0][1]
+      grads = [g for g, _ in pairs]
+      averaged.append((_average(grads, var, weights, barrier), var))
+    return averaged
+
+
+def _tensors(grad: Optional[Gradient]) -> List[tf.Tensor]:
+  if grad is None:
+    return []
+  if isinstance(grad, tf.IndexedSlices):
+    return [grad.values, grad.indices]
+  return [grad]
+
+
+def _var_name(var) -> str:
+  return getattr(var, "name", repr(var))
+
+
+def _check_tower_grads(tower_grads) -> None:
+  if not isinstance(tower_grads, (list, tuple)):
+    raise TypeError("expected tower_grads to be a list over towers of "
+                    "(grad, var) lists, got %r" % (tower_grads,))
+  if not tower_grads:
+    raise ValueError("average_gradients needs the gradients of at least one "
+                     "tower, got an empty tower_grads")
+  first = tower_grads[0]
+  for i, tower in enumerate(tower_grads):
+    if not isinstance(tower, (list, tuple)):
+      raise TypeError("expected tower %d's gradients to be a list of "
+                      "(grad, var) pairs, got %r" % (i, tower))
+    for pair in tower:
+      if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+        raise TypeError("expected (grad, var) pairs in tower %d, got %r; pass "
+                        "what opt.compute_gradients returns" % (i, pair))
+      grad = pair[0]
+      if grad is not None and not isinstance(grad,
+                                             (tf.Tensor, tf.IndexedSlices)):
+        raise TypeError(
+            "expected the gradient of variable %s in tower %d to be a "
+            "tf.Tensor, tf.IndexedSlices or None, got %r"
+            % (_var_name(pair[1]), i, grad))
+    if len(tower) != len(first):
+      raise ValueError(
+          "tower %d has %d (grad, var) pairs but tower 0 has %d; every tower "
+          "must compute gradients for the same variables in the same order "
+          "(same var_list, variables shared through tf.get_variable)"
+          % (i, len(tower), len(first)))
+    for position, ((_, var), (_, var0)) in enumerate(zip(tower, first)):
+      if var is not var0:
+        raise ValueError(
+            "towers' variables differ at position %d: tower %d has %s where "
+            "tower 0 has %s; every tower must compute gradients for the same "
+            "variables in the same order (same var_list, variables shared "
+            "through tf.get_variable)"
+            % (position, i, _var_name(var), _var_name(var0)))
+
+
+def _check_weights(weights, num_towers: int) -> List[Weight]:
+  if weights is None:
+    return [1.0 / num_towers] * num_towers
+  weights = list(weights)
+  if len(weights) != num_towers:
+    raise ValueError("expected one weight per tower (%d), got %d weights"
+                     % (num_towers, len(weights)))
+  numbers_only = [w for w in weights if isinstance(w, numbers.Real)]
+  if any(w < 0 for w in numbers_only):
+    raise ValueError("expected non-negative weights (each tower's share of "
+                     "the global batch), got %r" % (weights,))
+  if len(numbers_only) == num_towers and abs(sum(weights) - 1.0) > 1e-6:
+    raise ValueError(
+        "expected weights that sum to 1 (each tower's share of the global "
+        "batch), got %r summing to %g; to sum gradients instead of averaging "
+        "them, scale the loss" % (weights, sum(weights)))
+  return weights
+
+
+def _is_uniform(weights: Sequence[Weight]) -> bool:
+  return all(isinstance(w, numbers.Real) for w in weights) and (
+      max(weights) - min(weights) <= 1e-12)
+
+
+def _scaled(tensor: tf.Tensor, weight: Weight) -> tf.Tensor:
+  # Scaling runs on the gradient's own device, so the towers do it in
+  # parallel and only the reduction runs next to the variable.
+  with tf.device(tensor.device):
+    if isinstance(weight, numbers.Real):
+      return tensor * tf.constant(weight, tensor.dtype)
+    return tensor * tf.cast(weight, tensor.dtype)
+
+
+def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
+             barrier: List[tf.Operation]) -> Optional[Gradient]:
+  """Returns the weighted mean of one variable's gradients."""
+  missing = [i for i, g in enumerate(grads) if g is None]
+  if len(missing) == len(grads):
+    return None
+  if missing:
+    raise ValueError(
+        "the gradient of variable %s is None in tower(s) %s but not in the "
+        "others; the towers must build the same model (a variable that does "
+        "not reach one tower's loss reaches none)"
+        % (_var_name(var), ", ".join(map(str, missing))))
+  sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
+  if any(sparse) and not all(sparse):
+    # Dense in some towers and sparse in others: only possible when the
+    # towers' models differ. Converting all to dense is exact.
+    grads = [tf.convert_to_tensor(g) for g in grads]
+  uniform = _is_uniform(weights)
+  if isinstance(grads[0], tf.IndexedSlices):
+    values = [g.values for g in grads]
+    indices = [g.indices for g in grads]
+    if len({i.dtype for i in indices}) > 1:
+      indices = [tf.cast(i, tf.int64) for i in indices]
+    if not uniform:
+      values = [_scaled(v, w) for v, w in zip(values, weights)]
+    with tf.device(var.device), tf.control_dependencies(barrier):
+      values = _combine(values, lambda t: tf.concat(t, 0), uniform)
+      indices = _combine(indices, lambda t: tf.concat(t, 0), False)
+    return tf.IndexedSlices(values, indices, grads[0].dense_shape)
+  if not uniform:
+    grads = [_scaled(g, w) for g, w in zip(grads, weights)]
+  with tf.device(var.device), tf.control_dependencies(barrier):
+    return _combine(grads, tf.add_n, uniform)
+
+
+def _combine(tensors: List[tf.Tensor], combine, divide: bool) -> tf.Tensor:
+  """Combines the towers' tensors, then divides by their number if asked."""
+  if len(tensors) == 1:
+    # An identity, not the tensor itself: the result must wait for the
+    # barrier.
+    return tf.identity(tensors[0])
+  total = combine(tensors)
+  if not divide:
+    return total
+  return total * tf.constant(1.0 / len(tensors), total.dtype)

@@ -1,0 +1,148 @@
+"""Feeding the towers: split one global batch, or let each tower dequeue."""
+
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import tensorflow.compat.v1 as tf
+
+Inputs = Union[None, tf.Tensor, Sequence[tf.Tensor], Callable[[], object]]
+Weight = Union[float, tf.Tensor]
+
+
+def as_args(batch) -> List[object]:
+  """Returns the positional arguments `model_fn` gets after its scope."""
+  if batch is None:
+    return []
+  if isinstance(batch, (tuple, list)):
+    return list(batch)
+  return [batch]
+
+
+def split_inputs(inputs: Union[tf.Tensor, Sequence[tf.Tensor]],
+                 num_shards: int) -> Tuple[List[List[tf.Tensor]],
+                                           List[Weight]]:
+  """Splits tensors along axis 0 into `num_shards` nearly equal shards.
+
+  Shard sizes differ by at most one, the larger ones first. The split runs
+  next to each input (on the input pipeline's device), so each tower copies
+  only its own shard.
+
+  Args:
+    inputs: a tensor or a list/tuple of tensors sharing the batch size on
+      axis 0 (which may be unknown until run time).
+    num_shards: the number of towers.
+
+  Returns:
+    ``[num_shards][num_inputs]`` tensors, and ``[num_shards]`` shares of the
+    global batch: Python floats when the batch size is static, else scalar
+    float32 tensors.
+
+  Raises:
+    TypeError: if an input is not a tensor.
+    ValueError: if the inputs have no batch axis, disagree on a static batch
+      size, or have a static batch smaller than `num_shards`. A dynamic batch
+      smaller than `num_shards` fails at run time with
+      ``tf.errors.InvalidArgumentError``.
+  """
+  single = not isinstance(inputs, (tuple, list))
+  tensors = [inputs] if single else list(inputs)
+  if not tensors:
+    raise ValueError("expected inputs to hold at least one tensor, got an "
+                     "empty %s" % type(inputs).__name__)
+  for i, t in enumerate(tensors):
+    if not isinstance(t, tf.Tensor):
+      raise TypeError(
+          "expected inputs to be a tensor, a list/tuple of tensors with the "
+          "global batch on axis 0, or a callable; got %r at position %d; "
+          "wrap NumPy data with tf.constant or feed a tf.placeholder"
+          % (t, i))
+    if t.shape.rank == 0:
+      raise ValueError("input %d (%s) is a scalar; inputs need the global "
+                       "batch on axis 0" % (i, t.name))
+  static = [tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
+            for t in tensors]
+  with tf.name_scope("split_inputs"):
+    if all(s is not None for s in static):
+      sizes, weights = _static_sizes(tensors, static, num_shards)
+    else:
+      sizes, weights = _dynamic_sizes(tensors, num_shards)
+    shards = []
+    for t in tensors:
+      with tf.device(t.device):
+        shards.append(tf.split(t, sizes, num=num_shards, axis=0))
+  return [list(s) for s in zip(*shards)], weights
+
+
+def _static_sizes(tensors, static, num_shards):
+  if len(set(static)) > 1:
+    raise ValueError(
+        "inputs disagree on the global batch size (axis 0): %s; every input "
+        "must hold the same examples"
+        % ", ".join("%s has %d" % (t.name, s) for t, s in zip(tensors, static)))
+  batch = static[0]
+  if batch < num_shards:
+    raise ValueError(
+        "the global batch of %d examples is smaller than num_gpus=%d: every "
+        "tower needs at least one example; raise the batch size or use fewer "
+        "towers" % (batch, num_shards))
+  base, extra = divmod(batch, num_shards)
+  sizes = [base + (1 if i < extra else 0) for i in range(num_shards)]
+  return sizes, [s / batch for s in sizes]
+
+
+def _dynamic_sizes(tensors, num_shards):
+  batch = tf.shape(tensors[0], out_type=tf.int32)[0]
+  checks = [tf.debugging.assert_greater_equal(
+      batch, num_shards,
+      message="the global batch is smaller than num_gpus=%d: every tower "
+      "needs at least one example; raise the batch size or use fewer towers"
+      % num_shards)]
+  for t in tensors[1:]:
+    checks.append(tf.debugging.assert_equal(
+        tf.shape(t, out_type=tf.int32)[0], batch,
+        message="inputs disagree on the global batch size (axis 0): %s and "
+        "%s" % (tensors[0].name, t.name)))
+  with tf.control_dependencies(checks):
+    batch = tf.identity(batch)
+  base = batch // num_shards
+  extra = batch % num_shards
+  sizes = base + tf.cast(tf.range(num_shards) < extra, tf.int32)
+  total = tf.cast(batch, tf.float32)
+  weights = [tf.cast(sizes[i], tf.float32) / total for i in range(num_shards)]
+  return sizes, weights
+
+
+def batch_weights(batches: List[List[object]]) -> List[Weight]:
+  """Returns each tower's share of the examples its callable input produced.
+
+  The batch size of a tower is axis 0 of the first tensor of rank >= 1 in its
+  batch. Equal static sizes give equal float shares; unknown sizes (a final
+  partial batch, say) give scalar tensors, so the mean stays exact.
+  """
+  num = len(batches)
+  sizes = []
+  for batch in batches:
+    first = next((t for t in tf.nest.flatten(batch)
+                  if isinstance(t, tf.Tensor) and t.shape.rank != 0), None)
+    if first is None:
+      return [1.0 / num] * num
+    sizes.append(first)
+  static = [tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
+            for t in sizes]
+  if all(s is not None for s in static):
+    total = sum(static)
+    if total == 0:
+      return [1.0 / num] * num
+    return [s / total for s in static]
+  counts = [tf.cast(tf.shape(t)[0], tf.float32) for t in sizes]
+  total = tf.add_n(counts)
+  return [c / total for c in counts]
+
+
+def tower_batch(inputs: Inputs, shards: Optional[List[List[tf.Tensor]]],
+                index: int) -> List[object]:
+  """Returns tower `index`'s arguments (call inside its scope and device)."""
+  if inputs is None:
+    return []
+  if shards is not None:
+    return list(shards[index])
+  return as_args(inputs())

@@ -1,0 +1,216 @@
+"""Building the towers: one model replica per device, variables shared."""
+
+import collections
+from typing import Callable, List, Optional, Sequence
+
+import tensorflow.compat.v1 as tf
+
+from towers import _devices
+from towers import _inputs
+from towers import _placement
+
+Towers = collections.namedtuple("Towers", [
+    "losses", "loss", "tower_grads", "weights", "scopes", "devices",
+    "summaries", "update_ops", "outputs"])
+Towers.__doc__ = """What `build_towers` built.
+
+Fields:
+  losses: ``[num_towers]`` scalar loss tensors, one per tower.
+  loss: the towers' losses averaged with `weights`: the global batch's loss,
+    the one to log.
+  tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
+    ``opt.compute_gradients`` result.
+  weights: ``[num_towers]`` shares of the global batch, Python floats or
+    scalar float32 tensors, summing to 1.
+  scopes: ``[num_towers]`` name scopes, such as ``'tower_0/'``.
+  devices: ``[num_towers]`` device strings the towers were built on.
+  summaries: the final tower's ``SUMMARIES`` (as the original keeps).
+  update_ops: the first tower's ``UPDATE_OPS`` (batch-norm statistics, as
+    tf-slim runs them).
+  outputs: ``[num_towers]`` of what `model_fn` returned beside its loss
+    (None where it returned the loss alone).
+"""
+
+
+def build_towers(model_fn: Callable[..., object],
+                 opt: tf.train.Optimizer,
+                 num_gpus: int,
+                 *,
+                 inputs: _inputs.Inputs = None,
+                 devices: Optional[Sequence[str]] = None,
+                 variable_device: _placement.VariableDevice = "cpu",
+                 tower_name: str = "tower",
+                 **compute_gradients_kwargs) -> Towers:
+  """Builds one model replica per device and computes each one's gradients.
+
+  The classic recipe: inside ``tf.variable_scope(tf.get_variable_scope())``,
+  tower ``i`` is built under ``tf.device(devices[i])`` and
+  ``tf.name_scope('tower_i')``, then the scope is set to reuse variables, and
+  ``opt.compute_gradients(loss)`` runs in the tower. Variables, created by
+  tower 0 with ``tf.get_variable`` (or ``tf.compat.v1.layers``), are shared
+  by all towers and keep single-device names; one device function places
+  them (see `variable_device`) and sends every other op of tower ``i`` to
+  ``devices[i]``. An explicit ``tf.device`` inside `model_fn` still wins.
+
+  It does not average or apply the gradients (use `average_gradients` and
+  ``opt.apply_gradients``, or `minimize`), and it leaves the caller's
+  variable scope as it found it, not reusing, so optimizer slots and
+  ``tf.train.ExponentialMovingAverage`` can be created afterwards.
+
+  Args:
+    model_fn: called as ``model_fn(scope, *batch)`` in each tower; returns the
+      tower's scalar float loss, or ``(loss, outputs)``.
+    opt: a ``tf.compat.v1.train.Optimizer``.
+    num_gpus: the number of towers, a positive int.
+    inputs: None (`model_fn` builds its own input, called as
+      ``model_fn(scope)``); a tensor or list/tuple of tensors holding the
+      global batch on axis 0, split into `num_gpus` shards whose sizes differ
+      by at most one; or a callable (such as ``iterator.get_next``) called
+      once in each tower's scope and device, each tower getting its own
+      batch. A tuple or list batch is passed as separate arguments.
+    devices: ``[num_gpus]`` tower devices; default ``['/gpu:0', ...]``.
+    variable_device: ``'cpu'`` (``/cpu:0``, the original's), ``'gpu'`` (the
+      first tower's device), ``'balanced'`` (each variable to the tower
+      device holding the fewest bytes so far), a device string, or a device
+      function called on each variable op (``tf.train.replica_device_setter``
+      works).
+    tower_name: the prefix of the towers' name scopes.
+    **compute_gradients_kwargs: passed to ``opt.compute_gradients``;
+      ``gate_gradients`` defaults to ``GATE_NONE`` (0), since
+      `average_gradients` is the synchronization point.
+
+  Returns:
+    A `Towers` namedtuple.
+
+  Raises:
+    TypeError: if `num_gpus` is not an int, `model_fn` is not callable, `opt`
+      has no ``compute_gradients``, `devices` holds a non-string, or a tower's
+      loss is not a float tensor.
+    ValueError: if `num_gpus` is not positive, `devices` does not have
+      `num_gpus` entries, a tower's loss is missing or not a scalar, or a
+      tower after the first creates a trainable variable (the towers would
+      not share it).
+  """
+  _devices.check_count("num_gpus", num_gpus)
+  if not callable(model_fn):
+    raise TypeError("expected model_fn to be callable as model_fn(scope, "
+                    "*batch), got %r" % (model_fn,))
+  if not hasattr(opt, "compute_gradients") or not hasattr(
+      opt, "apply_gradients"):
+    raise TypeError(
+        "expected opt to be a tf.compat.v1.train.Optimizer (it needs "
+        "compute_gradients and apply_gradients), got %r; Keras optimizers "
+        "do not work in graph mode towers, use e.g. "
+        "tf.compat.v1.train.MomentumOptimizer" % (opt,))
+  devices = _check_devices(devices, num_gpus)
+  placer = _placement.variable_placer(variable_device, devices)
+  compute_gradients_kwargs.setdefault("gate_gradients",
+                                      tf.train.Optimizer.GATE_NONE)
+  shards, weights = None, None
+  if inputs is not None and not callable(inputs):
+    shards, weights = _inputs.split_inputs(inputs, num_gpus)
+
+  trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
+  losses, tower_grads, scopes, outputs, batches = [], [], [], [], []
+  update_ops, summaries = [], []
+  with tf.variable_scope(tf.get_variable_scope()):
+    for i, device in enumerate(devices):
+      known = len(trainable)
+      with tf.device(_placement.tower_device_fn(device, placer)), \
+          tf.name_scope("%s_%d" % (tower_name, i)) as scope:
+        batch = _inputs.tower_batch(inputs, shards, i)
+        loss, output = _check_result(model_fn(scope, *batch), scope)
+        if i > 0 and len(trainable) > known:
+          raise _unshared_variable_error(trainable[known], scope)
+        # Later towers reuse tower 0's variables.
+        tf.get_variable_scope().reuse_variables()
+        if i == 0:
+          # Tower 0's batch-norm updates stand for all (tf-slim's choice):
+          # running every tower's would apply N updates per step.
+          update_ops = tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope)
+        # Only the final tower's summaries are kept: the towers' would share
+        # tags once the tower prefix is stripped.
+        summaries = tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
+        tower_grads.append(opt.compute_gradients(loss,
+                                                 **compute_gradients_kwargs))
+      losses.append(loss)
+      outputs.append(output)
+      scopes.append(scope)
+      batches.append(batch)
+
+  if weights is None:
+    weights = _inputs.batch_weights(batches) if callable(inputs) else [
+        1.0 / num_gpus] * num_gpus
+  with tf.name_scope("%s_loss" % tower_name):
+    mean_loss = tf.add_n([l * tf.cast(w, l.dtype)
+                          for l, w in zip(losses, weights)])
+  return Towers(losses=losses, loss=mean_loss, tower_grads=tower_grads,
+                weights=weights, scopes=scopes, devices=devices,
+                summaries=summaries, update_ops=update_ops, outputs=outputs)
+
+
+def _check_devices(devices: Optional[Sequence[str]],
+                   num_gpus: int) -> List[str]:
+  if devices is None:
+    return ["/gpu:%d" % i for i in range(num_gpus)]
+  if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+    raise TypeError("expected devices to be a list of %d device strings, got "
+                    "%r" % (num_gpus, devices))
+  if len(devices) != num_gpus:
+    raise ValueError(
+        "expected one device per tower: num_gpus=%d but devices has %d "
+        "entries (%s); pass num_gpus=len(devices)"
+        % (num_gpus, len(devices), ", ".join(map(repr, devices))))
+  for d in devices:
+    if not isinstance(d, str):
+      raise TypeError("expected device strings such as '/gpu:0', got %r in "
+                      "devices" % (d,))
+    try:
+      tf.DeviceSpec.from_string(d)
+    except ValueError as e:
+      raise ValueError("devices holds %r, which is not a device string such "
+                       "as '/gpu:0': %s" % (d, e)) from None
+  return list(devices)
+
+
+def _check_result(result, scope: str):
+  """Returns ``(loss, outputs)`` from what `model_fn` returned, checked."""
+  tower = scope.rstrip("/")
+  outputs = None
+  if isinstance(result, (tuple, list)):
+    if len(result) != 2:
+      raise ValueError(
+          "model_fn returned a %s of %d items in %s; expected the loss or a "
+          "pair (loss, outputs)" % (type(result).__name__, len(result), tower))
+    result, outputs = result
+  loss = result
+  if loss is None:
+    raise ValueError("model_fn returned no loss (None) in %s; it must return "
+                     "the tower's scalar loss, or (loss, outputs)" % tower)
+  if isinstance(loss, tf.Variable):
+    loss = tf.convert_to_tensor(loss)
+  if not isinstance(loss, tf.Tensor):
+    raise TypeError(
+        "expected model_fn to return the loss as a scalar float tf.Tensor in "
+        "%s, got %s %r; build the loss from the tower's tensors"
+        % (tower, type(loss).__name__, loss))
+  if not loss.dtype.is_floating:
+    raise TypeError(
+        "expected model_fn to return a float loss, got %s in %s; cast it "
+        "with tf.cast(loss, tf.float32)" % (loss.dtype.name, tower))
+  if loss.shape.rank is None:
+    loss = tf.ensure_shape(loss, [])
+  elif loss.shape.rank != 0:
+    raise ValueError(
+        "expected model_fn to return a scalar loss, got shape %s in %s; did "
+        "you forget tf.reduce_mean?" % (loss.shape.as_list(), tower))
+  return loss, outputs
+
+
+def _unshared_variable_error(var: tf.Variable, scope: str) -> ValueError:
+  return ValueError(
+      "%s created the trainable variable %s, which tower 0 did not create: "
+      "the towers would not share it and only one tower would train it. "
+      "Create variables with tf.get_variable (or tf.compat.v1.layers) so "
+      "that variable_scope reuse shares them, not with tf.Variable or a "
+      "module built anew in every tower" % (scope.rstrip("/"), var.name))
