@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a virtualenv and runs the whole test suite: the library tests under
-# resource variables and again under tf.disable_v2_behavior() (ref variables),
-# then the example tests.
+# tf.disable_v2_behavior() (ref variables), then everything, the example tests
+# included, under resource variables.
 #   bash scripts/test.sh            # venv in .venv-test (VENV=... to move it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,5 +21,6 @@ PY
 )
 if [ -n "$keras_req" ]; then "$py" -m pip install -q "$keras_req"; fi
 
+# The library tests under both kinds of variables; the example tests once.
+"$py" -m pytest tests --ref-variables --ignore=tests/examples
 "$py" -m pytest tests
-"$py" -m pytest tests --ref-variables

@@ -11,7 +11,7 @@ from towers import _placement
 
 Towers = collections.namedtuple("Towers", [
     "losses", "loss", "tower_grads", "weights", "scopes", "devices",
-    "summaries", "update_ops", "outputs"])
+    "summaries", "update_ops", "outputs", "grads_and_vars"])
 Towers.__doc__ = """What `build_towers` built.
 
 Fields:
@@ -29,6 +29,8 @@ Fields:
     tf-slim runs them).
   outputs: ``[num_towers]`` of what `model_fn` returned beside its loss
     (None where it returned the loss alone).
+  grads_and_vars: from `minimize`, the averaged (and clipped) ``(grad, var)``
+    list it applied, for histograms; None from `build_towers`.
 """
 
 
@@ -146,7 +148,8 @@ def build_towers(model_fn: Callable[..., object],
                           for l, w in zip(losses, weights)])
   return Towers(losses=losses, loss=mean_loss, tower_grads=tower_grads,
                 weights=weights, scopes=scopes, devices=devices,
-                summaries=summaries, update_ops=update_ops, outputs=outputs)
+                summaries=summaries, update_ops=update_ops, outputs=outputs,
+                grads_and_vars=None)
 
 
 def _check_devices(devices: Optional[Sequence[str]],

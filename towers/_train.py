@@ -36,7 +36,8 @@ def minimize(model_fn: Callable[..., object],
       ``devices``, ``variable_device``, ``compute_gradients`` arguments).
 
   Returns:
-    ``(train_op, towers)``: the training op and the `Towers` built.
+    ``(train_op, towers)``: the training op and the `Towers` built, with
+    ``towers.grads_and_vars`` set to the averaged gradients it applied.
 
   Raises:
     ValueError: if `clip_norm` is not positive, or as `build_towers` and
@@ -59,4 +60,4 @@ def minimize(model_fn: Callable[..., object],
     grads_and_vars = list(zip(grads, variables))
   with tf.control_dependencies(list(towers.update_ops) + towers.losses):
     train_op = opt.apply_gradients(grads_and_vars, global_step=global_step)
-  return train_op, towers
+  return train_op, towers._replace(grads_and_vars=grads_and_vars)
