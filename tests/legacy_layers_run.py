@@ -1,0 +1,116 @@
+"""Trains a tf.compat.v1.layers model on 2 towers; run by test_legacy_layers.
+
+A separate process, because TF_USE_LEGACY_KERAS must be set before
+TensorFlow is imported. Prints one line of JSON with what it measured.
+Usage: python legacy_layers_run.py [--ref-variables]
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow.compat.v1 as tf
+
+import towers
+
+
+def model(scope, images, labels, batch_norm):
+  net = tf.layers.conv2d(images, 4, 3, activation=tf.nn.relu, name="conv")
+  if batch_norm:
+    net = tf.layers.batch_normalization(net, training=True, name="bn")
+  net = tf.layers.flatten(net)
+  logits = tf.layers.dense(net, 3, name="dense")
+  return tf.losses.sparse_softmax_cross_entropy(labels, logits)
+
+
+def data():
+  rng = np.random.RandomState(0)
+  return (rng.normal(size=(8, 6, 6, 2)).astype(np.float32),
+          rng.randint(0, 3, 8).astype(np.int32))
+
+
+def config(n):
+  return towers.virtual_cpu_config(n)
+
+
+def gradient_gap():
+  """Max |towers - single device| over the gradients, no batch norm."""
+  x, y = data()
+  tf.set_random_seed(1)
+  with tf.Graph().as_default() as g:
+    tf.set_random_seed(1)
+    loss = model(None, tf.constant(x), tf.constant(y), False)
+    want = tf.gradients(loss, tf.trainable_variables())
+    with tf.Session(graph=g, config=config(1)) as sess:
+      sess.run(tf.global_variables_initializer())
+      init = {v.op.name: sess.run(v) for v in tf.trainable_variables()}
+      want = sess.run(want)
+  with tf.Graph().as_default() as g:
+    t = towers.build_towers(
+        lambda scope, a, b: model(scope, a, b, False),
+        tf.train.GradientDescentOptimizer(0.1), 2,
+        inputs=(tf.constant(x), tf.constant(y)), devices=["/cpu:0", "/cpu:1"])
+    averaged = towers.average_gradients(t.tower_grads, t.weights)
+    with tf.Session(graph=g, config=config(2)) as sess:
+      sess.run(tf.global_variables_initializer())
+      for v in tf.trainable_variables():
+        v.load(init[v.op.name], sess)
+      got = sess.run([grad for grad, _ in averaged])
+  return max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+
+
+def train_with_batch_norm():
+  x, y = data()
+  with tf.Graph().as_default() as g:
+    train_op, t = towers.minimize(
+        lambda scope, a, b: model(scope, a, b, True),
+        tf.train.AdamOptimizer(0.05), 2,
+        inputs=(tf.constant(x), tf.constant(y)), devices=["/cpu:0", "/cpu:1"])
+    moving_mean = [v for v in tf.global_variables()
+                   if v.op.name == "bn/moving_mean"][0]
+    with tf.Session(graph=g, config=config(2)) as sess:
+      sess.run(tf.global_variables_initializer())
+      first = sess.run(t.loss)
+      for _ in range(20):
+        sess.run(train_op)
+      last = sess.run(t.loss)
+      mean = sess.run(moving_mean)
+    kinds = sorted({v.op.type for v in tf.global_variables()})
+  return {"first_loss": float(first), "last_loss": float(last),
+          "moving_mean_moved": bool(np.any(mean != 0)),
+          "update_ops": [op.name for op in t.update_ops],
+          "variable_ops": kinds}
+
+
+def keras_layer_per_tower_error():
+  """A Keras Dense object built anew per tower: must be refused."""
+  with tf.Graph().as_default():
+
+    def per_tower(scope, a, b):
+      layer = tf.keras.layers.Dense(3)
+      return tf.reduce_mean(layer(tf.reshape(a, [-1, 72])))
+
+    x, y = data()
+    try:
+      towers.build_towers(per_tower, tf.train.GradientDescentOptimizer(0.1),
+                          2, inputs=(tf.constant(x), tf.constant(y)),
+                          devices=["/cpu:0", "/cpu:1"])
+    except ValueError as e:
+      return str(e)
+  return None
+
+
+def main():
+  if "--ref-variables" in sys.argv:
+    tf.disable_v2_behavior()
+  result = {"tf": tf.__version__, "gradient_gap": gradient_gap(),
+            "keras_error": keras_layer_per_tower_error()}
+  result.update(train_with_batch_norm())
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

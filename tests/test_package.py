@@ -1,0 +1,67 @@
+"""The public surface, import hygiene and the device helpers."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import tensorflow.compat.v1 as tf
+
+import towers
+
+
+def test_public_surface_is_pinned():
+  assert sorted(towers.__all__) == [
+      "GradsAndVars", "Towers", "average_gradients", "build_towers",
+      "minimize", "tower_devices", "virtual_cpu_config"]
+  public = {name for name in vars(towers) if not name.startswith("_")}
+  assert public == set(towers.__all__)
+  assert isinstance(towers.__version__, str)
+
+
+def test_towers_fields():
+  assert towers.Towers._fields == (
+      "losses", "loss", "tower_grads", "weights", "scopes", "devices",
+      "summaries", "update_ops", "outputs", "grads_and_vars")
+
+
+def test_import_has_no_side_effects():
+  probe = textwrap.dedent("""
+      import logging
+      import tensorflow as tf
+      from absl import flags
+      def state():
+        return (tf.executing_eagerly(),
+                tf.compat.v1.resource_variables_enabled(),
+                tf.compat.v1.control_flow_v2_enabled(),
+                sorted(flags.FLAGS), list(logging.getLogger().handlers),
+                logging.getLogger().level, tf.get_logger().level,
+                tf.compat.v1.get_default_graph().get_operations())
+      before = state()
+      import towers
+      assert state() == before, (state(), before)
+      print("clean")
+      """)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  done = subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                        text=True, timeout=120, env=env, check=False)
+  assert done.stdout.strip() == "clean", done.stderr[-2000:]
+
+
+def test_virtual_cpu_config_makes_that_many_devices():
+  config = towers.virtual_cpu_config(3, log_device_placement=True)
+  assert config.device_count["CPU"] == 3
+  assert config.allow_soft_placement and config.log_device_placement
+  assert not towers.virtual_cpu_config(
+      2, allow_soft_placement=False).allow_soft_placement
+  with tf.Graph().as_default(), tf.Session(config=config) as sess:
+    names = [d.name for d in sess.list_devices() if d.device_type == "CPU"]
+  assert [n.split("/")[-1] for n in names] == [
+      "device:CPU:0", "device:CPU:1", "device:CPU:2"]
+
+
+def test_tower_devices_fall_back_to_virtual_cpus_without_gpus():
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  want = "gpu" if gpus >= 3 else "cpu"
+  assert towers.tower_devices(3) == ["/%s:%d" % (want, i) for i in range(3)]
+  assert towers.tower_devices(gpus + 1)[0] == "/cpu:0"
