@@ -256,3 +256,17 @@ def test_default_devices_are_gpus_and_default_gate_is_none():
                             inputs=tuple(map(tf.constant, batch(4))))
     assert t.devices == ["/gpu:0", "/gpu:1"]
     assert seen == {"gate_gradients": tf.train.Optimizer.GATE_NONE}
+
+
+def test_the_global_batch_is_split_where_it_lives():
+  # Pitfall P5: the split runs on the input's device (the CPU pipeline), so
+  # each tower copies only its shard.
+  with tf.Graph().as_default() as g:
+    with tf.device("/cpu:3"):
+      x = tf.ones([8, 2], name="global_batch")
+    towers.build_towers(
+        lambda scope, x: tf.reduce_sum(x * tf.get_variable("v", [2])),
+        tf.train.GradientDescentOptimizer(0.1), 2, inputs=x,
+        devices=devices(2))
+    splits = [op for op in g.get_operations() if op.type.startswith("Split")]
+    assert splits and all(op.device == "/device:CPU:3" for op in splits)
