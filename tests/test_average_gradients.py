@@ -154,3 +154,19 @@ def test_gradients_are_averaged_next_to_their_variable():
     assert avg.device == a.device == "/device:CPU:3"
     assert not [op for op in tf.get_default_graph().get_operations()
                 if op.type == "ConcatV2"]
+
+
+def test_an_explicit_device_keeps_the_reduction_there():
+  # Between-graph replication: the towers of one worker average on that
+  # worker, so one gradient per variable crosses to the parameter server.
+  with tf.Graph().as_default():
+    with tf.device("/job:ps/task:0"):
+      a, = _variables([2])
+    tower_grads = []
+    for i in range(2):
+      with tf.device("/job:worker/task:1/cpu:%d" % i):
+        tower_grads.append([(tf.ones([2]) * i, a)])
+    (avg, _), = towers.average_gradients(tower_grads,
+                                         device="/job:worker/task:1/cpu:0")
+    assert avg.device == "/job:worker/task:1/device:CPU:0"
+    assert avg.op.inputs[0].op.device == "/job:worker/task:1/device:CPU:0"

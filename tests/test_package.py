@@ -65,3 +65,11 @@ def test_tower_devices_fall_back_to_virtual_cpus_without_gpus():
   want = "gpu" if gpus >= 3 else "cpu"
   assert towers.tower_devices(3) == ["/%s:%d" % (want, i) for i in range(3)]
   assert towers.tower_devices(gpus + 1)[0] == "/cpu:0"
+
+
+def test_tower_devices_take_a_task_prefix():
+  devices = towers.tower_devices(2, task="/job:worker/task:3/")
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  kind = "gpu" if gpus >= 2 else "cpu"
+  assert devices == ["/job:worker/task:3/%s:0" % kind,
+                     "/job:worker/task:3/%s:1" % kind]

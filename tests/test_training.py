@@ -144,3 +144,16 @@ def test_embedding_trains_sparsely_through_minimize():
       np.testing.assert_allclose(
           after[row], table[row] - 0.5 * 2 * table[row] * count / 8,
           rtol=1e-6)
+
+
+def test_minimize_reduces_on_the_average_device_when_given():
+  with tf.Graph().as_default() as g:
+    train_op, t = towers.minimize(model_fn(), tf.train.AdamOptimizer(0.1), 2,
+                                  inputs=_inputs(), devices=devices(2),
+                                  average_device="/cpu:3")
+    assert all(grad.device == "/device:CPU:3" for grad, _ in t.grads_and_vars)
+    with session(g, 4) as sess:
+      sess.run(tf.global_variables_initializer())
+      first = sess.run(t.loss)
+      sess.run(train_op)
+      assert sess.run(t.loss) < first

@@ -1,6 +1,6 @@
 """Devices for machines with fewer GPUs than towers: virtual CPU devices."""
 
-from typing import List
+from typing import List, Optional
 
 import tensorflow.compat.v1 as tf
 
@@ -36,16 +36,19 @@ def virtual_cpu_config(num_cpus: int, **config_kwargs) -> tf.ConfigProto:
   return tf.ConfigProto(device_count={"CPU": num_cpus}, **config_kwargs)
 
 
-def tower_devices(num_towers: int) -> List[str]:
+def tower_devices(num_towers: int, *, task: Optional[str] = None
+                 ) -> List[str]:
   """Lists one device per tower: GPUs when that many are visible, else CPUs.
 
   With at least `num_towers` visible GPUs the result is ``['/gpu:0', ...]``;
   otherwise it is ``['/cpu:0', ..., '/cpu:{num_towers - 1}']``, which exist
   only in a session made with ``virtual_cpu_config(num_towers)``. It asks the
-  runtime for its physical devices and does nothing else.
+  runtime for this machine's physical devices and does nothing else.
 
   Args:
     num_towers: the number of towers.
+    task: a task prefix for between-graph replication, such as
+      ``'/job:worker/task:1'``; the devices are then that task's.
 
   Returns:
     A list of `num_towers` device strings.
@@ -56,4 +59,5 @@ def tower_devices(num_towers: int) -> List[str]:
   check_count("num_towers", num_towers)
   gpus = tf.config.list_physical_devices("GPU")
   kind = "gpu" if len(gpus) >= num_towers else "cpu"
-  return ["/%s:%d" % (kind, i) for i in range(num_towers)]
+  prefix = (task or "").rstrip("/")
+  return ["%s/%s:%d" % (prefix, kind, i) for i in range(num_towers)]

@@ -11,8 +11,9 @@ Weight = Union[float, tf.Tensor]
 
 
 def average_gradients(tower_grads: Sequence[GradsAndVars],
-                      weights: Optional[Sequence[Weight]] = None
-                     ) -> GradsAndVars:
+                      weights: Optional[Sequence[Weight]] = None,
+                      *,
+                      device: Optional[str] = None) -> GradsAndVars:
   """Averages each variable's gradient over the towers.
 
   This is the synchronization point across all towers. Per variable, the
@@ -20,6 +21,9 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
   None), computed next to the variable: dense gradients are summed with
   ``tf.add_n`` (no ``[num_towers, ...]`` concat buffer), sparse
   ``tf.IndexedSlices`` stay sparse (indices concatenated, values scaled).
+  With `device`, every reduction runs there instead: on a worker of a
+  cluster whose variables live on parameter servers, averaging on the worker
+  sends one gradient per variable over the network instead of one per tower.
 
   Every averaged gradient also waits for every gradient of every tower. With
   ref variables and ``gate_gradients=0`` this is what makes
@@ -37,6 +41,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
       the same order.
     weights: ``[num_towers]`` of each tower's share of the global batch,
       Python numbers summing to 1 or scalar tensors; None for equal shares.
+    device: where to reduce, e.g. ``'/job:worker/task:0/cpu:0'``; None (the
+      default) reduces each gradient on its variable's device.
 
   Returns:
     ``[num_vars]`` of ``(grad, var)`` in the first tower's order, with the
@@ -61,7 +67,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
     for pairs in zip(*tower_grads):
       var = pairs[0][1]
       grads = [g for g, _ in pairs]
-      averaged.append((_average(grads, var, weights, barrier), var))
+      where = var.device if device is None else device
+      averaged.append((_average(grads, var, weights, barrier, where), var))
     return averaged
 
 
@@ -150,7 +157,7 @@ def _scaled(tensor: tf.Tensor, weight: Weight) -> tf.Tensor:
 
 
 def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
-             barrier: List[tf.Operation]) -> Optional[Gradient]:
+             barrier: List[tf.Operation], device: str) -> Optional[Gradient]:
   """Returns the weighted mean of one variable's gradients."""
   missing = [i for i, g in enumerate(grads) if g is None]
   if len(missing) == len(grads):
@@ -174,13 +181,13 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
       indices = [tf.cast(i, tf.int64) for i in indices]
     if not uniform:
       values = [_scaled(v, w) for v, w in zip(values, weights)]
-    with tf.device(var.device), tf.control_dependencies(barrier):
+    with tf.device(device), tf.control_dependencies(barrier):
       values = _combine(values, lambda t: tf.concat(t, 0), uniform)
       indices = _combine(indices, lambda t: tf.concat(t, 0), False)
     return tf.IndexedSlices(values, indices, grads[0].dense_shape)
   if not uniform:
     grads = [_scaled(g, w) for g, w in zip(grads, weights)]
-  with tf.device(var.device), tf.control_dependencies(barrier):
+  with tf.device(device), tf.control_dependencies(barrier):
     return _combine(grads, tf.add_n, uniform)
 
 

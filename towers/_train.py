@@ -14,6 +14,7 @@ def minimize(model_fn: Callable[..., object],
              *,
              global_step: Optional[tf.Variable] = None,
              clip_norm: Optional[float] = None,
+             average_device: Optional[str] = None,
              **build_towers_kwargs) -> Tuple[tf.Operation, _replicate.Towers]:
   """Builds the towers and one synchronous training step over all of them.
 
@@ -32,6 +33,10 @@ def minimize(model_fn: Callable[..., object],
     global_step: incremented by one per step when given, as with
       ``opt.minimize``.
     clip_norm: if set, the global norm the averaged gradients are clipped to.
+    average_device: passed to `average_gradients` as `device`: where the
+      towers' gradients are reduced (default: next to each variable). On a
+      worker whose variables live on parameter servers, the worker's own
+      device keeps the towers' average local.
     **build_towers_kwargs: passed to `build_towers` (``inputs``,
       ``devices``, ``variable_device``, ``compute_gradients`` arguments).
 
@@ -48,8 +53,8 @@ def minimize(model_fn: Callable[..., object],
                      "%r" % (clip_norm,))
   towers = _replicate.build_towers(model_fn, opt, num_gpus,
                                    **build_towers_kwargs)
-  grads_and_vars = _gradients.average_gradients(towers.tower_grads,
-                                                towers.weights)
+  grads_and_vars = _gradients.average_gradients(
+      towers.tower_grads, towers.weights, device=average_device)
   if all(g is None for g, _ in grads_and_vars):
     raise ValueError(
         "no variable has a gradient: none of %s reaches the towers' loss"
