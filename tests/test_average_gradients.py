@@ -170,3 +170,12 @@ def test_an_explicit_device_keeps_the_reduction_there():
                                          device="/job:worker/task:1/cpu:0")
     assert avg.device == "/job:worker/task:1/device:CPU:0"
     assert avg.op.inputs[0].op.device == "/job:worker/task:1/device:CPU:0"
+
+
+def test_control_inputs_join_the_barrier():
+  with tf.Graph().as_default():
+    a, = _variables([2])
+    side = tf.no_op(name="side_effect")
+    tower_grads = [[(tf.ones([2]), a)], [(tf.ones([2]), a)]]
+    (avg, _), = towers.average_gradients(tower_grads, control_inputs=[side])
+    assert side in _ancestors(avg)

@@ -13,7 +13,9 @@ Weight = Union[float, tf.Tensor]
 def average_gradients(tower_grads: Sequence[GradsAndVars],
                       weights: Optional[Sequence[Weight]] = None,
                       *,
-                      device: Optional[str] = None) -> GradsAndVars:
+                      device: Optional[str] = None,
+                      control_inputs: Sequence[object] = ()
+                     ) -> GradsAndVars:
   """Averages each variable's gradient over the towers.
 
   This is the synchronization point across all towers. Per variable, the
@@ -43,6 +45,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
       Python numbers summing to 1 or scalar tensors; None for equal shares.
     device: where to reduce, e.g. ``'/job:worker/task:0/cpu:0'``; None (the
       default) reduces each gradient on its variable's device.
+    control_inputs: ops or tensors every averaged gradient also waits for,
+      such as the towers' losses and update ops (`minimize` passes both).
 
   Returns:
     ``[num_vars]`` of ``(grad, var)`` in the first tower's order, with the
@@ -59,6 +63,7 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
   _check_tower_grads(tower_grads)
   weights = _check_weights(weights, len(tower_grads))
   flat = [t for tower in tower_grads for g, _ in tower for t in _tensors(g)]
+  flat += list(control_inputs)
   with tf.name_scope("average_gradients"):
     # One NoOp per device, then one root: tf.group keeps the cross-device
     # control edges to one per device instead of one per gradient.

@@ -22,9 +22,10 @@ def minimize(model_fn: Callable[..., object],
   `average_gradients`), optionally clips the averaged gradients by their
   global norm (after averaging: the norm of the update is what matters),
   applies them once with ``opt.apply_gradients`` outside the towers' reuse
-  scope (so optimizer slots are created normally), and runs the first
-  tower's update ops before the apply. The apply also waits for every tower's
-  loss, so a loss fetched with the step is the loss before the update.
+  scope (so optimizer slots are created normally). The averaged gradients
+  also wait for the first tower's update ops and every tower's loss, so the
+  update ops run with each step and a loss fetched with the step is the loss
+  before the update.
 
   Args:
     model_fn: as for `build_towers`.
@@ -53,8 +54,14 @@ def minimize(model_fn: Callable[..., object],
                      "%r" % (clip_norm,))
   towers = _replicate.build_towers(model_fn, opt, num_gpus,
                                    **build_towers_kwargs)
+  # The update ops and the losses join the averaging barrier rather than
+  # wrapping apply_gradients in control_dependencies: optimizers such as
+  # SyncReplicasOptimizer build queues inside apply_gradients, and a queue
+  # that depended on the towers would pull an input batch whenever its queue
+  # runner touched it.
   grads_and_vars = _gradients.average_gradients(
-      towers.tower_grads, towers.weights, device=average_device)
+      towers.tower_grads, towers.weights, device=average_device,
+      control_inputs=list(towers.update_ops) + towers.losses)
   if all(g is None for g, _ in grads_and_vars):
     raise ValueError(
         "no variable has a gradient: none of %s reaches the towers' loss"
@@ -63,6 +70,5 @@ def minimize(model_fn: Callable[..., object],
     grads, variables = zip(*grads_and_vars)
     grads, _ = tf.clip_by_global_norm(grads, clip_norm)
     grads_and_vars = list(zip(grads, variables))
-  with tf.control_dependencies(list(towers.update_ops) + towers.losses):
-    train_op = opt.apply_gradients(grads_and_vars, global_step=global_step)
+  train_op = opt.apply_gradients(grads_and_vars, global_step=global_step)
   return train_op, towers._replace(grads_and_vars=grads_and_vars)
