@@ -185,17 +185,34 @@ def sha256_of(path: str) -> str:
   return digest.hexdigest()
 
 
-def maybe_download(urls: Sequence[str], path: str, sha256: str) -> str:
+def md5_of(path: str) -> str:
+  # For data sets whose publishers give only an MD5 (CIFAR-10): a check
+  # against corrupt downloads, not a security measure.
+  digest = hashlib.md5(usedforsecurity=False)
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def maybe_download(urls: Sequence[str], path: str,
+                   sha256: Optional[str] = None, *,
+                   md5: Optional[str] = None) -> str:
   """Returns `path`, downloading it from the first of `urls` that works.
 
   A file already at `path` is used as it is (the cache). A download goes to
   ``path + '.part'``, logs its progress every 10%, and is renamed into place
   only after its SHA-256 matches, so an interrupted or corrupt download never
-  looks like a finished one.
+  looks like a finished one. Where only an MD5 is published, pass `md5`
+  instead of `sha256`; it is checked the same way.
 
   Raises:
     DownloadError: if every URL fails or the hash does not match.
+    ValueError: if neither or both of `sha256` and `md5` are given.
   """
+  if (sha256 is None) == (md5 is None):
+    raise ValueError("expected exactly one of sha256 and md5 for %s, got "
+                     "sha256=%r, md5=%r" % (path, sha256, md5))
   if os.path.exists(path):
     return path
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -207,10 +224,11 @@ def maybe_download(urls: Sequence[str], path: str, sha256: str) -> str:
     except OSError as e:
       errors.append("%s: %s" % (url, e))
       continue
-    got = sha256_of(part)
-    if got != sha256:
+    kind, want = ("SHA-256", sha256) if md5 is None else ("MD5", md5)
+    got = sha256_of(part) if md5 is None else md5_of(part)
+    if got != want:
       os.remove(part)
-      errors.append("%s: SHA-256 %s, expected %s" % (url, got, sha256))
+      errors.append("%s: %s %s, expected %s" % (url, kind, got, want))
       continue
     os.replace(part, path)
     return path
