@@ -32,9 +32,9 @@ def tower_setup(num_gpus: int, log_device_placement: bool = False
                             log_device_placement=log_device_placement)
   else:
     logging.info(
-        "Fewer than %d GPUs visible: running the %d towers on virtual CPU "
-        "devices %s (correct, but they share this machine's cores)",
-        num_gpus, num_gpus, ", ".join(devices))
+        "Fewer GPUs visible than --num_gpus=%d: running the tower(s) on "
+        "virtual CPU devices %s (correct, but they share this machine's "
+        "cores)", num_gpus, ", ".join(devices))
     config = towers.virtual_cpu_config(
         num_gpus, log_device_placement=log_device_placement)
   return devices, config
@@ -45,19 +45,31 @@ def training_summaries(t: towers.Towers, learning_rate: tf.Tensor
   """Merges the final tower's summaries, the learning rate and histograms.
 
   Histograms are of each variable and of its averaged gradient (what
-  `towers.minimize` applied). Run by the session's summary hook in the same
-  `sess.run` as the training step, so no extra input batch is consumed.
+  `towers.minimize` applied), tagged with the variable's name. Run by the
+  session's summary hook in the same `sess.run` as the training step, so no
+  extra input batch is consumed.
   """
-  summaries = list(t.summaries)
-  summaries.append(tf.summary.scalar("learning_rate", learning_rate))
-  summaries.append(tf.summary.scalar("loss", t.loss))
-  for grad, var in t.grads_and_vars or []:
-    summaries.append(tf.summary.histogram(var.op.name, var))
-    if grad is not None:
-      values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-      summaries.append(tf.summary.histogram(var.op.name + "/gradients",
-                                            values))
-  return tf.summary.merge(summaries)
+  # Explicit tags: tf.summary.* derive the tag from a uniquified op name, so
+  # a tag equal to an existing op's name ("conv1/weights") would become
+  # "conv1/weights_1".
+  with tf.name_scope("training_summaries"):
+    summaries = list(t.summaries)
+    summaries.append(_scalar("learning_rate", learning_rate))
+    summaries.append(_scalar("loss", t.loss))
+    for grad, var in t.grads_and_vars or []:
+      summaries.append(_histogram(var.op.name, var))
+      if grad is not None:
+        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        summaries.append(_histogram(var.op.name + "/gradients", values))
+    return tf.summary.merge(summaries)
+
+
+def _scalar(tag: str, value: tf.Tensor) -> tf.Tensor:
+  return tf.raw_ops.ScalarSummary(tags=tag, values=value)
+
+
+def _histogram(tag: str, values) -> tf.Tensor:
+  return tf.raw_ops.HistogramSummary(tag=tag, values=values)
 
 
 class StepLogger(tf.train.SessionRunHook):

@@ -1,0 +1,277 @@
+"""Trains the CIFAR-10 tutorial's network on several GPUs with `towers`.
+
+  python examples/cifar10_multi_gpu_train.py --num_gpus=2 \
+      --data_dir=/tmp/cifar10_data --train_dir=/tmp/cifar10_train
+  python examples/cifar10_eval.py --data_dir=/tmp/cifar10_data \
+      --checkpoint_dir=/tmp/cifar10_train --run_once
+  tensorboard --logdir=/tmp/cifar10_train
+  python examples/cifar10_multi_gpu_train.py --num_gpus=2 --fake_data \
+      --max_steps=100 --train_dir=/tmp/cifar10_fake  # speed only
+
+The working version of TensorFlow's ``cifar10_multi_gpu_train.py`` on
+`towers`: one replica of the network per GPU (``tower_0``, ``tower_1``, ...),
+its variables shared on the CPU, the towers' gradients averaged and applied
+once per step by plain gradient descent, and an exponential moving average
+(0.9999) of every trainable variable updated with each step; evaluation uses
+those averages. Without enough GPUs the towers run on virtual CPU devices
+(one log line says so): the same graph, for correctness rather than speed.
+
+The data are fetched into --data_dir on first use (``cifar-10-binary.tar.gz``,
+about 170 MB, MD5-checked); offline, copy the tarball or its extracted
+``cifar-10-batches-bin/`` there, or use --fake_data. One input pipeline on
+the CPU applies the tutorial's distortions and each tower takes its own
+--batch_size batch from it, so a step trains on batch_size x num_gpus
+examples. The learning rate starts at 0.1 and falls tenfold every 350 epochs
+counted in examples (the tutorial counted steps, decaying num_gpus times too
+late with several GPUs).
+
+Every --log_frequency steps the tutorial's line is logged, ``step %d, loss =
+%.2f (%.1f examples/sec; %.3f sec/batch)``, with the mean loss over the
+towers; a NaN loss stops training. Checkpoints (every
+--save_checkpoint_steps and at the last step) and summaries (the final
+tower's, the learning rate, variable and gradient histograms) go to
+--train_dir; rerunning with the same --train_dir resumes from its latest
+checkpoint. Nothing there is ever deleted (the tutorial wiped it).
+"""
+
+import collections
+from typing import Optional, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+import tensorflow.compat.v1 as tf
+
+import cifar10_data
+import cifar10_model
+import common
+import towers
+
+# The tutorial's schedule.
+INITIAL_LEARNING_RATE = 0.1
+LEARNING_RATE_DECAY_FACTOR = 0.1
+NUM_EPOCHS_PER_DECAY = 350
+# Where the input pipeline, the step counter, the schedule, the moving
+# averages and the variables live, as in the tutorial.
+CPU = "/cpu:0"
+
+TrainGraph = collections.namedtuple("TrainGraph", [
+    "train_op", "loss", "global_step", "learning_rate", "summary_op",
+    "towers"])
+TrainGraph.__doc__ = """What `build_train_graph` built.
+
+Fields:
+  train_op: one synchronous step over all towers, then the moving averages.
+  loss: the global batch's mean loss (cross entropy plus weight decay).
+  global_step: int64, +1 per step (not per tower).
+  learning_rate: the learning rate of the current step.
+  summary_op: the merged summaries (final tower's, learning rate, loss,
+    variable and averaged-gradient histograms).
+  towers: the `towers.Towers` built.
+"""
+
+
+def learning_rate(global_step: tf.Tensor, examples_per_step: int,
+                  examples_per_epoch: int,
+                  initial: float = INITIAL_LEARNING_RATE) -> tf.Tensor:
+  """Returns the tutorial's staircase schedule, counted in examples.
+
+  ``initial * 0.1 ** floor(examples_seen / (350 * examples_per_epoch))``
+  with ``examples_seen = global_step * examples_per_step``, computed in
+  integers so the steps fall exactly where the examples say.
+
+  Args:
+    global_step: the step counter.
+    examples_per_step: the global batch, ``batch_size * num_gpus``.
+    examples_per_epoch: the training set's size (50,000 for CIFAR-10).
+    initial: the learning rate before the first decay.
+  """
+  examples_seen = tf.cast(global_step, tf.int64) * examples_per_step
+  decays = examples_seen // (NUM_EPOCHS_PER_DECAY * examples_per_epoch)
+  factor = tf.pow(tf.constant(LEARNING_RATE_DECAY_FACTOR, tf.float32),
+                  tf.cast(decays, tf.float32))
+  return tf.multiply(initial, factor, name="decayed_learning_rate")
+
+
+def tower_loss(scope: str, images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+  """One tower's loss: the network on its own batch, with its weight decay."""
+  del scope  # The towers collect the summaries by scope themselves.
+  logits, weight_decay = cifar10_model.inference(images)
+  return cifar10_model.loss(logits, labels, weight_decay)
+
+
+def build_train_graph(*, devices: Sequence[str], batch_size: int,
+                      train_files: Optional[Sequence[str]],
+                      examples_per_epoch: int,
+                      initial_learning_rate: float = INITIAL_LEARNING_RATE,
+                      shuffle_buffer: Optional[int] = None) -> TrainGraph:
+  """Builds the input pipeline, the towers and the step in the default graph.
+
+  Everything outside the towers is built on the CPU, as in the tutorial;
+  each tower's ops go to its device except its dequeue, which stays next to
+  the iterator on the CPU.
+
+  Args:
+    devices: ``[num_towers]`` tower devices (see `common.tower_setup`).
+    batch_size: examples per tower per step.
+    train_files: the checked training batch files, or None for synthetic
+      images (`cifar10_data.fake_train_dataset`).
+    examples_per_epoch: the training set's size, for the schedule and the
+      shuffle buffer.
+    initial_learning_rate: the learning rate before the first decay.
+    shuffle_buffer: records in the shuffle buffer; None for the tutorial's
+      40% of an epoch.
+
+  Returns:
+    A `TrainGraph`.
+  """
+  num_towers = len(devices)
+  with tf.device(CPU):
+    global_step = tf.train.get_or_create_global_step()
+    lr = learning_rate(global_step, batch_size * num_towers,
+                       examples_per_epoch, initial_learning_rate)
+    if train_files is None:
+      dataset = cifar10_data.fake_train_dataset(batch_size)
+    else:
+      dataset = cifar10_data.train_dataset(train_files, batch_size,
+                                           examples_per_epoch, shuffle_buffer)
+    iterator = tf.data.make_one_shot_iterator(dataset)
+
+    def next_batch():
+      # Called once inside each tower: each tower dequeues its own batch
+      # from the one shared pipeline. The explicit device wins over the
+      # tower's, so the dequeue stays on the CPU with the iterator.
+      with tf.device(CPU):
+        return iterator.get_next()
+
+    opt = tf.train.GradientDescentOptimizer(lr)
+    apply_op, t = towers.minimize(tower_loss, opt, num_towers,
+                                  inputs=next_batch, devices=list(devices),
+                                  global_step=global_step)
+    # The tutorial groups the averaging with the update unordered, so its
+    # average may read a variable before or after the update; here it
+    # always reads the updated value.
+    averages = tf.train.ExponentialMovingAverage(
+        cifar10_model.MOVING_AVERAGE_DECAY, global_step)
+    with tf.control_dependencies([apply_op]):
+      averages_op = averages.apply(tf.trainable_variables())
+    train_op = tf.group(apply_op, averages_op, name="train_op")
+    summary_op = common.training_summaries(t, lr)
+  return TrainGraph(train_op=train_op, loss=t.loss, global_step=global_step,
+                    learning_rate=lr, summary_op=summary_op, towers=t)
+
+
+def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
+          batch_size: int = 128, max_steps: int = 1000000,
+          fake_data: bool = False, log_device_placement: bool = False,
+          log_frequency: int = 10, save_checkpoint_steps: int = 1000,
+          save_summaries_steps: int = 100,
+          initial_learning_rate: float = INITIAL_LEARNING_RATE,
+          shuffle_buffer: Optional[int] = None,
+          urls: Sequence[str] = cifar10_data.URLS) -> int:
+  """Trains until the global step reaches `max_steps`; returns that step.
+
+  Args:
+    data_dir: holds (or receives) ``cifar-10-batches-bin/``; unused with
+      `fake_data`.
+    train_dir: checkpoints and event files; a run with the same directory
+      resumes from its latest checkpoint. Never deleted.
+    num_gpus: the number of towers.
+    batch_size: examples per tower per step (the tutorial's 128).
+    max_steps: the global step to stop at.
+    fake_data: train on synthetic images, to measure throughput only.
+    log_device_placement: log every op's device.
+    log_frequency: steps between two log lines.
+    save_checkpoint_steps: steps between checkpoints (the last step is
+      always saved).
+    save_summaries_steps: steps between summaries.
+    initial_learning_rate: the learning rate before the first decay.
+    shuffle_buffer: records in the shuffle buffer; None for 40% of an epoch.
+    urls: where to download the tarball from when it is absent.
+
+  Returns:
+    The global step reached.
+
+  Raises:
+    common.DownloadError: if the data are absent and cannot be downloaded.
+    cifar10_data.CorruptDataError: if a data file is truncated or corrupt.
+    FileNotFoundError: if a batch file is missing from the data directory.
+    FloatingPointError: if the loss becomes NaN.
+  """
+  if fake_data:
+    logging.info("--fake_data: training on synthetic random images; the "
+                 "examples/sec are real, the loss means nothing")
+    train_files = None
+    examples_per_epoch = cifar10_data.NUM_TRAIN_EXAMPLES
+  else:
+    cifar10_data.maybe_download_and_extract(data_dir, urls)
+    train_files = cifar10_data.data_files(data_dir, train=True)
+    examples_per_epoch = cifar10_data.check_files(train_files)
+    logging.info("Training on the %d images of %s", examples_per_epoch,
+                 ", ".join(train_files))
+  devices, config = common.tower_setup(num_gpus, log_device_placement)
+  logging.info("%d towers x %d examples = %d examples per step", num_gpus,
+               batch_size, num_gpus * batch_size)
+  with tf.Graph().as_default():
+    g = build_train_graph(devices=devices, batch_size=batch_size,
+                          train_files=train_files,
+                          examples_per_epoch=examples_per_epoch,
+                          initial_learning_rate=initial_learning_rate,
+                          shuffle_buffer=shuffle_buffer)
+    with tf.device(CPU):  # The saver, as in the tutorial.
+      return common.run_training(
+          g.train_op, g.loss, g.global_step, g.summary_op,
+          train_dir=train_dir, max_steps=max_steps,
+          examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
+          config=config, log_every=log_frequency,
+          save_checkpoint_steps=save_checkpoint_steps,
+          save_summaries_steps=save_summaries_steps)
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defines the script's flags (only when run as a script)."""
+  flags.DEFINE_integer("num_gpus", 1, "How many towers (GPUs) to use; "
+                       "virtual CPU devices stand in for missing GPUs.")
+  flags.DEFINE_integer("batch_size", 128, "Examples per tower per step; the "
+                       "global batch is batch_size x num_gpus.")
+  flags.DEFINE_string("data_dir", "/tmp/cifar10_data", "Directory holding "
+                      "cifar-10-batches-bin/ (downloaded there when absent).")
+  flags.DEFINE_string("train_dir", "/tmp/cifar10_train", "Directory for "
+                      "checkpoints and event logs; a run resumes from it.")
+  flags.DEFINE_integer("max_steps", 1000000, "The global step to stop at.")
+  flags.DEFINE_boolean("fake_data", False, "Train on synthetic images, to "
+                       "measure throughput only (no data needed).")
+  flags.DEFINE_boolean("log_device_placement", False, "Log each op's "
+                       "device.")
+  flags.DEFINE_integer("log_frequency", 10, "Steps between log lines.")
+  flags.DEFINE_integer("save_checkpoint_steps", 1000, "Steps between "
+                       "checkpoints (the last step is always saved).")
+  flags.DEFINE_integer("save_summaries_steps", 100, "Steps between "
+                       "summaries.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  try:
+    train(data_dir=FLAGS.data_dir, train_dir=FLAGS.train_dir,
+          num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,
+          max_steps=FLAGS.max_steps, fake_data=FLAGS.fake_data,
+          log_device_placement=FLAGS.log_device_placement,
+          log_frequency=FLAGS.log_frequency,
+          save_checkpoint_steps=FLAGS.save_checkpoint_steps,
+          save_summaries_steps=FLAGS.save_summaries_steps)
+  except (common.DownloadError, cifar10_data.CorruptDataError,
+          FileNotFoundError, FloatingPointError) as e:
+    # Expected failures get their message, not a traceback.
+    logging.error("%s", e)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
