@@ -81,13 +81,16 @@ class StepLogger(tf.train.SessionRunHook):
   """
 
   def __init__(self, loss: tf.Tensor, global_step: tf.Tensor,
-               examples_per_step: int, num_towers: int, every: int = 10):
+               examples_per_step: int, num_towers: int, every: int = 10,
+               count_locally: bool = True):
     self._loss = loss
     self._global_step = global_step
     self._examples_per_step = examples_per_step
     self._num_towers = num_towers
     self._every = every
+    self._count_locally = count_locally
     self._step = 0
+    self._runs = 0
     self._start = None
 
   @property
@@ -103,17 +106,22 @@ class StepLogger(tf.train.SessionRunHook):
     self._start = time.time()
 
   def before_run(self, run_context):
-    return tf.train.SessionRunArgs(self._loss)
+    return tf.train.SessionRunArgs([self._loss, self._global_step])
 
   def after_run(self, run_context, run_values):
-    self._step += 1
-    loss = float(run_values.results)
+    loss, global_step = run_values.results
+    loss = float(loss)
+    # Alone, a process counts its own steps (the global step it fetched may
+    # be read before or after this step's increment). In a cluster other
+    # workers advance the global step too, so that is the count to show.
+    self._runs += 1
+    self._step = self._step + 1 if self._count_locally else int(global_step)
     if math.isnan(loss):
       raise FloatingPointError(
           "loss is NaN at step %d: training stopped, nothing saved from this "
           "step (lower the learning rate, or check the input); the last "
           "checkpoint is kept" % self._step)
-    if self._step % self._every == 0:
+    if self._runs % self._every == 0:
       duration = (time.time() - self._start) / self._every
       self._start = time.time()
       logging.info("step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)",
@@ -128,7 +136,7 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
                  log_every: int = 10, save_checkpoint_secs: int = 60,
                  save_checkpoint_steps: Optional[int] = None,
                  save_summaries_steps: int = 100, master: str = "",
-                 is_chief: bool = True,
+                 is_chief: bool = True, stop_grace_period_secs: float = 120,
                  hooks: Iterable[tf.train.SessionRunHook] = (),
                  chief_only_hooks: Iterable[tf.train.SessionRunHook] = ()
                 ) -> int:
@@ -141,7 +149,7 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
   """
   scaffold = tf.train.Scaffold(summary_op=summary_op)
   logger = StepLogger(loss, global_step, examples_per_step, num_towers,
-                      log_every)
+                      log_every, count_locally=not master)
   all_hooks = [tf.train.StopAtStepHook(last_step=max_steps), logger]
   with tf.train.MonitoredTrainingSession(
       master=master, is_chief=is_chief, checkpoint_dir=train_dir,
@@ -152,7 +160,8 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
       save_checkpoint_steps=save_checkpoint_steps,
       save_summaries_steps=save_summaries_steps if summary_op is not None
       else None,
-      log_step_count_steps=0) as sess:
+      log_step_count_steps=0,
+      stop_grace_period_secs=stop_grace_period_secs) as sess:
     while not sess.should_stop():
       sess.run(train_op)
   return logger.step

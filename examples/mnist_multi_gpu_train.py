@@ -1,0 +1,399 @@
+"""Trains the MNIST CNN on several GPUs with synchronous updates (towers).
+
+  python examples/mnist_multi_gpu_train.py --num_gpus=2 \
+      --data_dir=/tmp/mnist_data --train_dir=/tmp/mnist_train
+  python examples/mnist_eval.py --data_dir=/tmp/mnist_data \
+      --checkpoint_dir=/tmp/mnist_train --run_once
+  tensorboard --logdir=/tmp/mnist_train
+  python examples/mnist_multi_gpu_train.py --fake_data --max_steps=200 \
+      --train_dir=/tmp/mnist_fake  # speed only
+  python examples/mnist_multi_gpu_train.py --dataset=fashion_mnist \
+      --train_dir=/tmp/fashion_train
+
+The working version of normanheckscher/mnist-multi-gpu's training script on
+`towers`: one replica of the model per GPU (``tower_0``, ``tower_1``, ...),
+variables shared on the CPU, the towers' gradients averaged and applied once
+per step. Without enough GPUs the towers run on virtual CPU devices (one log
+line says so): the same graph, for correctness rather than speed.
+
+What changed from the reference, and why (docs/examples.md has the details):
+one shared input pipeline on the CPU from which each tower takes its own
+batch (it built one per tower, each reading the whole data set); a
+learning-rate decay that counts examples, so it is the same for any number
+of towers; pixels scaled alike in training and evaluation; the final step
+checkpointed; restarts resume from the last checkpoint.
+
+Flags: --num_gpus towers, each taking --batch_size examples per step (the
+global batch is batch_size x num_gpus); the log line every --log_frequency
+steps is the original's ``step %d, loss = %.2f (%.1f examples/sec; %.3f
+sec/batch)``. Restarting with the same --train_dir resumes; nothing there is
+ever deleted.
+"""
+
+import collections
+import contextlib
+from typing import Callable, Optional, Sequence, Union
+
+from absl import app
+from absl import flags
+from absl import logging
+import tensorflow.compat.v1 as tf
+
+import cluster
+import common
+import mnist_data
+import mnist_model
+import towers
+
+# 'cpu', 'gpu', 'balanced', a device string or a device function.
+VariableDevice = Union[str, Callable[[tf.Operation], str]]
+
+TrainGraph = collections.namedtuple("TrainGraph", [
+    "train_op", "loss", "global_step", "learning_rate", "summary_op",
+    "towers", "optimizer"])
+TrainGraph.__doc__ = """What `build_train_graph` built.
+
+Fields:
+  train_op: one synchronous step over all towers.
+  loss: the global batch's mean loss (cross-entropy plus weight decay).
+  global_step: int64, +1 per step (not per tower).
+  learning_rate: the decayed learning rate of the current step.
+  summary_op: the merged summaries (final tower's, learning rate, loss,
+    variable and averaged-gradient histograms).
+  towers: the `towers.Towers` built.
+  optimizer: the optimizer that applies the step (its session hook, for a
+    ``tf.train.SyncReplicasOptimizer``).
+"""
+
+
+def build_train_graph(*, devices: Sequence[str], batch_size: int,
+                      train_files: Optional[Sequence[mnist_data.IdxFile]],
+                      num_examples: int, learning_rate: float,
+                      momentum: float, learning_rate_decay: float,
+                      epochs_per_decay: float, weight_decay: float,
+                      dropout_rate: float,
+                      variable_device: VariableDevice = "cpu",
+                      average_device: Optional[str] = None,
+                      wrap_optimizer: Optional[Callable[
+                          [tf.train.Optimizer], tf.train.Optimizer]] = None,
+                      replicas: int = 1,
+                      seed: Optional[int] = None) -> TrainGraph:
+  """Builds the input pipeline, the towers and the step in the default graph.
+
+  The learning rate decays by `learning_rate_decay` every `epochs_per_decay`
+  epochs, counted in examples (``global_step * batch_size * num_towers *
+  replicas``), so the schedule over the data is the same for any number of
+  towers and workers (the reference counted steps, decaying num_towers times
+  too late).
+
+  Args:
+    devices: ``[num_towers]`` tower devices (see `common.tower_setup`).
+    batch_size: examples per tower per step.
+    train_files: ``(images, labels)`` from `mnist_data.find_split`, or None
+      for synthetic images (`mnist_data.fake_dataset`).
+    num_examples: the examples in one epoch, for the decay schedule.
+    learning_rate: the initial learning rate.
+    momentum: the momentum of ``tf.train.MomentumOptimizer``.
+    learning_rate_decay: the factor applied every `epochs_per_decay`.
+    epochs_per_decay: epochs between two decays (a staircase).
+    weight_decay: the L2 coefficient of the fully connected weights.
+    dropout_rate: the fraction of local3's units dropped in training.
+    variable_device: where the shared variables live, as for
+      `towers.build_towers` (``'cpu'``, the original's; a device function
+      such as ``tf.train.replica_device_setter`` for between-graph training).
+    average_device: where the towers' gradients are averaged (see
+      `towers.minimize`); a worker's own CPU in a cluster.
+    wrap_optimizer: wraps the momentum optimizer, e.g. in a
+      ``tf.train.SyncReplicasOptimizer``.
+    replicas: how many workers' gradients one global step applies.
+    seed: the graph's random seed (initial weights, dropout) and the
+      shuffle seed, for repeatable runs; None for new ones every run.
+
+  Returns:
+    A `TrainGraph`.
+  """
+  num_towers = len(devices)
+  if seed is not None:
+    tf.set_random_seed(seed)
+  # The pipeline, its iterator, the step counter and the schedule live on
+  # the CPU: input ops on a GPU made multi-GPU training slower than one GPU.
+  with tf.device(mnist_data.INPUT_DEVICE):
+    global_step = tf.train.get_or_create_global_step()
+    if train_files is None:
+      dataset = mnist_data.fake_dataset(batch_size)
+    else:
+      dataset = mnist_data.train_dataset(*train_files, batch_size, seed=seed)
+    iterator = tf.data.make_one_shot_iterator(dataset)
+    examples_seen = global_step * (batch_size * num_towers * replicas)
+    lr = tf.train.exponential_decay(
+        learning_rate, examples_seen,
+        decay_steps=max(1, int(round(epochs_per_decay * num_examples))),
+        decay_rate=learning_rate_decay, staircase=True)
+
+  def next_batch():
+    # Called once inside each tower's scope: each tower dequeues its own
+    # batch from the one shared pipeline. The explicit device wins over the
+    # tower's, keeping the dequeue next to the iterator.
+    with tf.device(mnist_data.INPUT_DEVICE):
+      return iterator.get_next()
+
+  def model_fn(scope, images, labels):
+    del scope  # Summaries are collected by the towers.
+    logits, decay = mnist_model.inference(images, dropout_rate=dropout_rate,
+                                          weight_decay=weight_decay)
+    xent = mnist_model.cross_entropy(logits, labels)
+    loss = tf.add(xent, decay, name="total_loss")
+    # Named apart from the ops they show: a summary named like an existing
+    # op gets a uniquified tag ("cross_entropy_1").
+    tf.summary.scalar("losses/cross_entropy", xent)
+    tf.summary.scalar("losses/weight_decay", decay)
+    tf.summary.scalar("losses/total", loss)
+    tf.summary.histogram("logits", logits)
+    return loss
+
+  opt = tf.train.MomentumOptimizer(lr, momentum)
+  if wrap_optimizer is not None:
+    opt = wrap_optimizer(opt)
+  train_op, t = towers.minimize(model_fn, opt, num_towers, inputs=next_batch,
+                                devices=list(devices),
+                                variable_device=variable_device,
+                                average_device=average_device,
+                                global_step=global_step)
+  summary_op = common.training_summaries(t, lr)
+  return TrainGraph(train_op=train_op, loss=t.loss, global_step=global_step,
+                    learning_rate=lr, summary_op=summary_op, towers=t,
+                    optimizer=opt)
+
+
+def train(*, train_dir: str, data_dir: Optional[str] = None,
+          dataset: str = "mnist", num_gpus: int = 2, batch_size: int = 64,
+          max_steps: int = 4700, learning_rate: float = 0.02,
+          momentum: float = 0.9, learning_rate_decay: float = 0.75,
+          epochs_per_decay: float = 1.0, weight_decay: float = 5e-4,
+          dropout_rate: float = 0.5, fake_data: bool = False,
+          log_device_placement: bool = False, log_frequency: int = 10,
+          save_checkpoint_secs: int = 60,
+          save_checkpoint_steps: Optional[int] = None,
+          save_summaries_steps: int = 100,
+          variable_device: VariableDevice = "cpu",
+          ps_hosts: Sequence[str] = (), worker_hosts: Sequence[str] = (),
+          job_name: str = "worker", task_index: int = 0,
+          replicas_to_aggregate: Optional[int] = None,
+          startup_timeout_secs: float = 60.0,
+          mirrors: Optional[Sequence[str]] = mnist_data.MNIST_MIRRORS,
+          seed: Optional[int] = None) -> int:
+  """Trains until the global step reaches `max_steps`; returns that step.
+
+  Checkpoints (every `save_checkpoint_secs`, or `save_checkpoint_steps`,
+  and at the final step) and summaries go to `train_dir`; a run with the
+  same `train_dir` resumes from its latest checkpoint.
+
+  With `ps_hosts` and `worker_hosts` this process is one task of a cluster
+  (between-graph replication, docs/distributed.md): a parameter server
+  serves the variables forever; a worker builds its towers on its own
+  devices, averages them there, and a ``tf.train.SyncReplicasOptimizer``
+  applies `replicas_to_aggregate` workers' gradients per global step. Worker
+  0 is the chief: it initializes, saves checkpoints and summaries.
+
+  Args:
+    train_dir: checkpoints and event files; never deleted.
+    data_dir: the IDX files (see `mnist_data.find_split`); None for the
+      dataset's default directory.
+    dataset: 'mnist' or 'fashion_mnist'.
+    num_gpus: the number of towers.
+    batch_size: examples per tower per step.
+    max_steps: the global step to stop at.
+    learning_rate, momentum, learning_rate_decay, epochs_per_decay,
+      weight_decay, dropout_rate: see `build_train_graph`.
+    fake_data: train on one random batch instead of the data set, to
+      measure throughput only.
+    log_device_placement: log every op's device.
+    log_frequency: steps between two log lines.
+    save_checkpoint_secs, save_checkpoint_steps, save_summaries_steps: as
+      for `common.run_training`.
+    variable_device: as for `build_train_graph` (one machine only; a
+      cluster puts variables on its parameter servers).
+    ps_hosts, worker_hosts: the cluster's ``host:port`` lists, the same for
+      every task; empty for training on this machine alone.
+    job_name, task_index: this task: 'ps' or 'worker', and its index in
+      that list.
+    replicas_to_aggregate: workers' gradients per global step; default all
+      workers. Fewer makes the rest backup workers.
+    startup_timeout_secs: how long a worker waits for the parameter servers
+      and the chief before it fails.
+    mirrors: base URLs for downloading missing MNIST files; empty for none.
+    seed: the random seed (see `build_train_graph`).
+
+  Returns:
+    The global step reached.
+
+  Raises:
+    mnist_data.MissingDataError: if the data is absent and not downloadable.
+    mnist_data.IdxError: if a data file is corrupt.
+    FloatingPointError: if the loss becomes NaN.
+    cluster.ClusterError, TimeoutError: for cluster flags that are wrong or
+      disagree with the chief's, or tasks that cannot be reached.
+  """
+  distributed = bool(ps_hosts or worker_hosts)
+  replicas = 1
+  if distributed:
+    replicas = replicas_to_aggregate or len(worker_hosts)
+    if not 1 <= replicas <= len(worker_hosts):
+      raise cluster.ClusterError(
+          "--replicas_to_aggregate=%d but --worker_hosts lists %d workers; "
+          "it must be between 1 and the number of workers"
+          % (replicas, len(worker_hosts)))
+    # A parameter server never returns from here.
+    task = cluster.start_task(ps_hosts, worker_hosts, job_name, task_index,
+                              num_gpus,
+                              log_device_placement=log_device_placement,
+                              startup_timeout_secs=startup_timeout_secs)
+    if seed is not None:
+      seed += task_index  # Each worker its own shuffle order.
+  if data_dir is None:
+    data_dir = mnist_data.default_data_dir(dataset)
+  if fake_data:
+    logging.info("--fake_data: training on synthetic images (one random "
+                 "batch); the examples/sec are real, the loss and "
+                 "precision mean nothing")
+    train_files = None
+    num_examples = 60000  # MNIST's, so the schedule is the real run's.
+  else:
+    train_files = mnist_data.find_split(data_dir, "train", dataset, mirrors)
+    num_examples = train_files[0].count
+  setter, session_kwargs = None, {}
+  if distributed:
+    devices = towers.tower_devices(num_gpus, task=task.worker_device)
+    config = task.config
+    setter = cluster.device_setter(task)
+    graph_kwargs = dict(
+        variable_device=setter, average_device=task.worker_device + "/cpu:0",
+        wrap_optimizer=lambda opt: tf.train.SyncReplicasOptimizer(
+            opt, replicas_to_aggregate=replicas,
+            total_num_replicas=task.num_workers),
+        replicas=replicas)
+    # When the chief stops, its queue runner is still waiting for gradients
+    # no worker will send; a short grace period closes the session on it.
+    session_kwargs = dict(master=task.server.target, is_chief=task.is_chief,
+                          stop_grace_period_secs=5)
+  else:
+    devices, config = common.tower_setup(num_gpus, log_device_placement)
+    graph_kwargs = dict(variable_device=variable_device)
+  # In a cluster the setter around the whole graph puts the step counter
+  # and the optimizer's slots on the parameter servers and everything else
+  # on this worker; the towers use it for their variables.
+  with tf.Graph().as_default(), (
+      tf.device(setter) if setter else contextlib.nullcontext()):
+    g = build_train_graph(
+        devices=devices, batch_size=batch_size, train_files=train_files,
+        num_examples=num_examples, learning_rate=learning_rate,
+        momentum=momentum, learning_rate_decay=learning_rate_decay,
+        epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
+        dropout_rate=dropout_rate, seed=seed, **graph_kwargs)
+    if distributed:
+      session_kwargs["hooks"] = [
+          g.optimizer.make_session_run_hook(task.is_chief)]
+    return common.run_training(
+        g.train_op, g.loss, g.global_step, g.summary_op, train_dir=train_dir,
+        max_steps=max_steps, examples_per_step=batch_size * num_gpus,
+        num_towers=num_gpus, config=config, log_every=log_frequency,
+        save_checkpoint_secs=save_checkpoint_secs,
+        save_checkpoint_steps=save_checkpoint_steps,
+        save_summaries_steps=save_summaries_steps, **session_kwargs)
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defines the script's flags (only when run as a script)."""
+  flags.DEFINE_integer("num_gpus", 2, "How many towers (GPUs) to use; "
+                       "virtual CPU devices stand in for missing GPUs.")
+  flags.DEFINE_integer("batch_size", 64, "Examples per tower per step; the "
+                       "global batch is batch_size x num_gpus.")
+  flags.DEFINE_enum("dataset", "mnist", list(mnist_data.DATASETS),
+                    "mnist, or fashion_mnist (same format; Debian's "
+                    "dataset-fashion-mnist package has it).")
+  flags.DEFINE_string("data_dir", None, "Directory of the IDX files; "
+                      "default /tmp/mnist_data for mnist (downloaded there "
+                      "when absent), %s for fashion_mnist."
+                      % mnist_data.FASHION_MNIST_DIR)
+  flags.DEFINE_string("train_dir", "/tmp/mnist_train", "Directory for "
+                      "checkpoints and event logs; a run resumes from it.")
+  flags.DEFINE_integer("max_steps", 4700, "The global step to stop at "
+                       "(4700 x 128 examples: 10 epochs with the defaults).")
+  flags.DEFINE_float("learning_rate", 0.02, "Initial learning rate.")
+  flags.DEFINE_float("momentum", 0.9, "Momentum.")
+  flags.DEFINE_float("learning_rate_decay", 0.75, "Factor applied to the "
+                     "learning rate every --epochs_per_decay epochs.")
+  flags.DEFINE_float("epochs_per_decay", 1.0, "Epochs (counted in examples, "
+                     "whatever --num_gpus) between two decays.")
+  flags.DEFINE_float("weight_decay", 5e-4, "L2 coefficient of the fully "
+                     "connected weights.")
+  flags.DEFINE_float("dropout_rate", 0.5, "Fraction of the 1024 hidden "
+                     "units dropped in training.")
+  flags.DEFINE_boolean("fake_data", False, "Train on synthetic images, to "
+                       "measure throughput only.")
+  flags.DEFINE_boolean("log_device_placement", False, "Log each op's "
+                       "device.")
+  flags.DEFINE_integer("log_frequency", 10, "Steps between log lines.")
+  flags.DEFINE_integer("save_checkpoint_secs", 60, "Seconds between "
+                       "checkpoints (the final step is always saved).")
+  flags.DEFINE_integer("save_checkpoint_steps", None, "Steps between "
+                       "checkpoints; replaces --save_checkpoint_secs.")
+  flags.DEFINE_integer("save_summaries_steps", 100, "Steps between "
+                       "summaries.")
+  flags.DEFINE_integer("seed", None, "Random seed of the initial "
+                       "weights, dropout and shuffle (default: random).")
+  flags.DEFINE_list("ps_hosts", [], "Parameter servers' host:port list, "
+                    "the same on every task; empty to train on this machine "
+                    "alone.")
+  flags.DEFINE_list("worker_hosts", [], "Workers' host:port list, the same "
+                    "on every task; the first is the chief.")
+  flags.DEFINE_enum("job_name", "worker", ["ps", "worker"], "This task's "
+                    "job in the cluster.")
+  flags.DEFINE_integer("task_index", 0, "This task's index in its job's "
+                       "host list.")
+  flags.DEFINE_integer("replicas_to_aggregate", None, "Workers' gradients "
+                       "applied per global step (default: all workers; "
+                       "fewer makes the others backup workers).")
+  flags.DEFINE_float("startup_timeout_secs", 60, "Seconds a worker waits "
+                     "for the parameter servers and the chief.")
+  flags.DEFINE_list("mirrors", list(mnist_data.MNIST_MIRRORS), "Base URLs "
+                    "to download missing MNIST files from (comma "
+                    "separated; empty for no download).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  try:
+    train(train_dir=FLAGS.train_dir, data_dir=FLAGS.data_dir,
+          dataset=FLAGS.dataset, num_gpus=FLAGS.num_gpus,
+          batch_size=FLAGS.batch_size, max_steps=FLAGS.max_steps,
+          learning_rate=FLAGS.learning_rate, momentum=FLAGS.momentum,
+          learning_rate_decay=FLAGS.learning_rate_decay,
+          epochs_per_decay=FLAGS.epochs_per_decay,
+          weight_decay=FLAGS.weight_decay, dropout_rate=FLAGS.dropout_rate,
+          fake_data=FLAGS.fake_data,
+          log_device_placement=FLAGS.log_device_placement,
+          log_frequency=FLAGS.log_frequency,
+          save_checkpoint_secs=FLAGS.save_checkpoint_secs,
+          save_checkpoint_steps=FLAGS.save_checkpoint_steps,
+          save_summaries_steps=FLAGS.save_summaries_steps, seed=FLAGS.seed,
+          mirrors=FLAGS.mirrors, ps_hosts=FLAGS.ps_hosts,
+          worker_hosts=FLAGS.worker_hosts, job_name=FLAGS.job_name,
+          task_index=FLAGS.task_index,
+          replicas_to_aggregate=FLAGS.replicas_to_aggregate,
+          startup_timeout_secs=FLAGS.startup_timeout_secs)
+  except (mnist_data.DataError, FloatingPointError, cluster.ClusterError,
+          TimeoutError) as e:
+    # Expected failures get their message, not a traceback.
+    logging.error("%s", e)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

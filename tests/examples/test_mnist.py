@@ -1,0 +1,479 @@
+"""The MNIST example: IDX reader, input pipeline, train, eval and resume.
+
+Tiny synthetic data sets are written as real IDX files (gzipped or raw), so
+the reader the scripts use is the one under test; one end-to-end run uses the
+real MNIST files when they are present. Downloads only ever go to loopback.
+"""
+
+import functools
+import glob
+import gzip
+import http.server
+import logging as std_logging
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import mnist_data
+import mnist_eval
+import mnist_multi_gpu_train as mnist_train
+
+EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
+                                        "examples"))
+# Nothing listens on the discard port: a download fails at once, offline.
+OFFLINE = ["http://127.0.0.1:9/"]
+NUM_TRAIN, NUM_TEST = 64, 20
+LOG_LINE = re.compile(r"step (\d+), loss = \d+\.\d\d \(\d+\.\d "
+                      r"examples/sec; \d+\.\d\d\d sec/batch\)")
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+  """Encodes a uint8 array as IDX: magic 0x0000080N, dims, data."""
+  header = struct.pack(">I", 0x800 + array.ndim)
+  header += struct.pack(">%dI" % array.ndim, *array.shape)
+  return header + array.astype(np.uint8).tobytes()
+
+
+def write_file(path, data: bytes, compress: bool) -> str:
+  if compress:
+    path += ".gz"
+    with gzip.open(path, "wb") as f:
+      f.write(data)
+  else:
+    with open(path, "wb") as f:
+      f.write(data)
+  return path
+
+
+def write_split(directory, split, images, labels, compress=True):
+  """Writes one split's two IDX files; returns their paths."""
+  os.makedirs(directory, exist_ok=True)
+  names = mnist_data.SPLITS[split]
+  return [write_file(os.path.join(str(directory), name), idx_bytes(a),
+                     compress)
+          for name, a in zip(names, (images, labels))]
+
+
+def synthetic(count, seed):
+  """Images with a bright bar at a row that depends on the label."""
+  rng = np.random.RandomState(seed)
+  labels = rng.randint(0, 10, count).astype(np.uint8)
+  images = rng.randint(0, 40, (count, 28, 28)).astype(np.uint8)
+  for image, label in zip(images, labels):
+    image[2 + 2 * label:4 + 2 * label, 4:24] = 255
+  return images, labels
+
+
+@pytest.fixture
+def tiny_mnist(tmp_path):
+  """A directory with a 64-example train split and a 20-example test split."""
+  directory = tmp_path / "data"
+  write_split(directory, "train", *synthetic(NUM_TRAIN, 0))
+  write_split(directory, "test", *synthetic(NUM_TEST, 1), compress=False)
+  return str(directory)
+
+
+@pytest.fixture
+def absl_logs(caplog):
+  """The messages absl.logging emitted at INFO and above."""
+  caplog.set_level(std_logging.INFO, logger="absl")
+  return lambda: [r.getMessage() for r in caplog.records
+                  if r.name == "absl"]
+
+
+def checkpoint_step(directory):
+  path = tf.train.latest_checkpoint(directory)
+  return None if path is None else int(path.rsplit("-", 1)[1])
+
+
+def summary_tags(directory):
+  tags = set()
+  for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+    for event in tf.train.summary_iterator(path):
+      tags.update(v.tag for v in event.summary.value)
+  return tags
+
+
+# The reader.
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["gzip", "raw"])
+def test_reader_checks_and_reads_gzipped_and_raw_files(tmp_path, compress):
+  images, labels = synthetic(12, 0)
+  write_split(tmp_path, "test", images, labels, compress=compress)
+  got_images, got_labels = mnist_data.find_split(str(tmp_path), "test",
+                                                 mirrors=())
+  assert (got_images.count, got_labels.count) == (12, 12)
+  assert got_images.compressed == got_labels.compressed == compress
+  with tf.Graph().as_default():
+    ds = mnist_data.eval_dataset(got_images, got_labels, batch_size=5)
+    x, y = tf.data.make_one_shot_iterator(ds).get_next()
+    batches = []
+    with tf.Session() as sess:
+      while True:
+        try:
+          batches.append(sess.run([x, y]))
+        except tf.errors.OutOfRangeError:
+          break
+  assert [len(b[1]) for b in batches] == [5, 5, 2]  # Once, partial last.
+  np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]),
+                                labels)
+  pixels = np.concatenate([b[0] for b in batches])[..., 0]
+  np.testing.assert_allclose(pixels, images / 255.0 - 0.5, atol=1e-6)
+
+
+def test_train_and_eval_pipelines_scale_pixels_alike(tmp_path):
+  ramp = np.tile(np.arange(28 * 28) % 256, (16, 1)).reshape(16, 28, 28)
+  write_split(tmp_path, "train", ramp, np.arange(16) % 10)
+  write_split(tmp_path, "test", ramp, np.arange(16) % 10)
+  train = mnist_data.find_split(str(tmp_path), "train", mirrors=())
+  test = mnist_data.find_split(str(tmp_path), "test", mirrors=())
+  with tf.Graph().as_default():
+    train_x, _ = tf.data.make_one_shot_iterator(
+        mnist_data.train_dataset(*train, batch_size=4, seed=1)).get_next()
+    test_x, _ = tf.data.make_one_shot_iterator(
+        mnist_data.eval_dataset(*test, batch_size=4)).get_next()
+    assert train_x.shape.as_list() == [4, 28, 28, 1]  # Static per tower.
+    with tf.Session() as sess:
+      got_train, got_test = sess.run([train_x, test_x])
+  want = ramp[:4, :, :, None] / 255.0 - 0.5
+  np.testing.assert_allclose(got_train, want, atol=1e-6)
+  np.testing.assert_allclose(got_test, want, atol=1e-6)
+  assert got_train.min() == -0.5 and got_train.max() == 0.5
+
+
+def _corrupt(directory, case):
+  """Writes a test split broken as `case`; returns the broken file's name."""
+  images, labels = synthetic(10, 0)
+  images_path, labels_path = write_split(directory, "test", images, labels)
+  raw = idx_bytes(images)
+  if case == "bad_magic":
+    write_file(images_path[:-3], b"\x12\x34\x56\x78" + raw[4:], True)
+  elif case == "labels_named_as_images":
+    write_file(images_path[:-3], idx_bytes(labels), True)
+  elif case == "wrong_image_size":
+    write_file(images_path[:-3], idx_bytes(np.zeros((10, 32, 32))), True)
+  elif case == "truncated_raw":
+    os.remove(images_path)
+    return os.path.basename(write_file(images_path[:-3], raw[:-100], False))
+  elif case == "trailing_bytes":
+    write_file(images_path[:-3], raw + b"\0" * 7, True)
+  elif case == "huge_count_in_header":
+    write_file(images_path[:-3], raw[:4] + struct.pack(">I", 2**31 - 1)
+               + raw[8:], True)
+  elif case == "truncated_gzip":
+    with open(images_path, "rb") as f:
+      data = f.read()
+    with open(images_path, "wb") as f:
+      f.write(data[:len(data) // 2])
+  elif case == "not_gzip_inside":
+    with open(images_path, "wb") as f:
+      f.write(b"\x1f\x8b" + b"garbage" * 20)
+  elif case == "short_header":
+    write_file(images_path[:-3], raw[:9], True)
+  elif case == "label_out_of_range":
+    write_file(labels_path[:-3], idx_bytes(np.full(10, 11)), True)
+    return os.path.basename(labels_path)
+  elif case == "count_mismatch":
+    write_file(labels_path[:-3], idx_bytes(labels[:9]), True)
+  return os.path.basename(images_path)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("bad_magic", "bad magic number"),
+    ("labels_named_as_images", "labels file"),
+    ("wrong_image_size", "32x32"),
+    ("truncated_raw", "truncated"),
+    ("trailing_bytes", "wrong size"),
+    ("huge_count_in_header", "2147483647 images"),
+    ("truncated_gzip", "not a valid gzip file"),
+    ("not_gzip_inside", "not a valid gzip file"),
+    ("short_header", "fewer than an IDX images header"),
+    ("label_out_of_range", "label 11"),
+    ("count_mismatch", "10 images but"),
+])
+def test_corrupt_files_get_an_error_naming_them(tmp_path, case, words):
+  name = _corrupt(str(tmp_path), case)
+  with pytest.raises(mnist_data.IdxError, match=words) as error:
+    mnist_data.find_split(str(tmp_path), "test", mirrors=())
+  assert name in str(error.value)
+
+
+# Downloads: loopback only.
+
+
+def test_offline_the_error_says_what_to_do(tmp_path):
+  with pytest.raises(mnist_data.MissingDataError) as error:
+    mnist_data.find_split(str(tmp_path), "train", mirrors=OFFLINE)
+  message = str(error.value)
+  for words in ["train-images-idx3-ubyte", str(tmp_path), "--data_dir",
+                "--fake_data", "--dataset=fashion_mnist",
+                "dataset-fashion-mnist", "127.0.0.1:9"]:
+    assert words in message
+  assert os.listdir(str(tmp_path)) == []  # No partial file left behind.
+
+
+def test_fashion_mnist_is_read_from_disk_only(tmp_path):
+  with pytest.raises(mnist_data.MissingDataError,
+                     match="apt-get install dataset-fashion-mnist"):
+    mnist_data.find_split(str(tmp_path), "test", "fashion_mnist",
+                          mirrors=OFFLINE)
+  assert mnist_data.default_data_dir("fashion_mnist") == (
+      "/usr/share/datasets/fashion-mnist")
+
+
+@pytest.fixture
+def loopback_server(tmp_path):
+  """Serves a directory over HTTP on 127.0.0.1; yields (url, directory)."""
+  root = tmp_path / "mirror"
+  root.mkdir()
+  handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                              directory=str(root))
+  handler.log_message = lambda *args: None
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield "http://127.0.0.1:%d/" % server.server_address[1], root
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
+def test_download_is_hash_checked_and_cached(tmp_path, mnist_dir,
+                                             loopback_server):
+  url, root = loopback_server
+  for name in mnist_data.SPLITS["test"]:
+    shutil.copy(os.path.join(mnist_dir, name + ".gz"), str(root))
+  data_dir = str(tmp_path / "cache")
+  images, labels = mnist_data.find_split(data_dir, "test",
+                                         mirrors=OFFLINE + [url])
+  assert (images.count, labels.count) == (10000, 10000)
+  assert sorted(os.listdir(data_dir)) == sorted(
+      n + ".gz" for n in mnist_data.SPLITS["test"])
+  # Cached: no mirror needed the second time.
+  assert mnist_data.find_split(data_dir, "test", mirrors=())[0].count == 10000
+
+
+def test_download_with_a_wrong_hash_is_refused(tmp_path, loopback_server):
+  url, root = loopback_server
+  images, labels = synthetic(10, 0)
+  write_split(str(root), "test", images, labels)  # Valid IDX, wrong hash.
+  data_dir = str(tmp_path / "cache")
+  with pytest.raises(mnist_data.MissingDataError, match="SHA-256"):
+    mnist_data.find_split(data_dir, "test", mirrors=[url])
+  assert not os.path.exists(data_dir) or os.listdir(data_dir) == []
+
+
+# The training graph.
+
+
+def _build(data_dir, num_towers, batch_size=4, **kwargs):
+  files = mnist_data.find_split(data_dir, "train", mirrors=())
+  args = dict(learning_rate=0.1, momentum=0.9, learning_rate_decay=0.5,
+              epochs_per_decay=1.0, weight_decay=5e-4, dropout_rate=0.5)
+  args.update(kwargs)
+  return mnist_train.build_train_graph(
+      devices=["/cpu:%d" % i for i in range(num_towers)],
+      batch_size=batch_size, train_files=files,
+      num_examples=files[0].count, **args)
+
+
+def test_towers_share_one_input_pipeline_on_the_cpu(tiny_mnist):
+  with tf.Graph().as_default() as g:
+    _build(tiny_mnist, num_towers=2)
+    ops = g.get_operations()
+    iterators = [op for op in ops if op.type in ("OneShotIterator",
+                                                 "IteratorV2", "Iterator")]
+    dequeues = [op for op in ops if op.type == "IteratorGetNext"]
+    assert len(iterators) == 1
+    assert sorted(op.name for op in dequeues) == [
+        "tower_0/IteratorGetNext", "tower_1/IteratorGetNext"]
+    for op in iterators + dequeues:
+      assert tf.DeviceSpec.from_string(op.device).device_type == "CPU"
+      assert tf.DeviceSpec.from_string(op.device).device_index == 0
+    conv = g.get_operation_by_name("tower_1/conv1/Conv2D")
+    assert tf.DeviceSpec.from_string(conv.device).device_index == 1
+    names = sorted(v.op.name for v in tf.trainable_variables())
+    assert names == sorted(
+        "%s/%s" % (layer, kind)
+        for layer in ["conv1", "conv2", "local3", "softmax_linear"]
+        for kind in ["weights", "biases"])
+
+
+def test_each_tower_takes_its_own_batch_and_an_epoch_is_shared(tmp_path):
+  # Pixel (0, 0) holds the example's index: 64 examples, 2 towers of 4.
+  images = np.zeros((NUM_TRAIN, 28, 28), np.uint8)
+  images[:, 0, 0] = np.arange(NUM_TRAIN)
+  write_split(tmp_path, "train", images, np.arange(NUM_TRAIN) % 10)
+  with tf.Graph().as_default() as g:
+    graph = _build(str(tmp_path), num_towers=2)
+    batches = [g.get_tensor_by_name("tower_%d/IteratorGetNext:0" % i)
+               for i in range(2)]
+    seen = []
+    with tf.Session(graph=g, config=tf.ConfigProto(
+        device_count={"CPU": 2})) as sess:
+      sess.run(tf.global_variables_initializer())
+      for _ in range(NUM_TRAIN // 8):
+        _, tower0, tower1 = sess.run([graph.train_op] + batches)
+        seen.append((tower0[:, 0, 0, 0], tower1[:, 0, 0, 0]))
+  index = lambda pixels: np.rint((pixels + 0.5) * 255).astype(int)
+  for tower0, tower1 in seen:
+    assert not set(index(tower0)) & set(index(tower1))
+  # One epoch in 64 / (4 x 2) steps: every example exactly once.
+  assert sorted(i for pair in seen for t in pair for i in index(t)) == list(
+      range(NUM_TRAIN))
+
+
+@pytest.mark.parametrize("num_towers", [1, 2])
+def test_learning_rate_decays_per_epoch_of_examples(tiny_mnist, num_towers):
+  # 64 examples, 4 per tower: an epoch is 16 steps on one tower, 8 on two.
+  steps_per_epoch = NUM_TRAIN // (4 * num_towers)
+  with tf.Graph().as_default() as g:
+    graph = _build(tiny_mnist, num_towers)
+    with tf.Session(graph=g, config=tf.ConfigProto(
+        device_count={"CPU": num_towers})) as sess:
+      rates = []
+      for step in [0, steps_per_epoch - 1, steps_per_epoch,
+                   3 * steps_per_epoch]:
+        sess.run(graph.global_step.assign(step))
+        rates.append(sess.run(graph.learning_rate))
+  np.testing.assert_allclose(rates, [0.1, 0.1, 0.05, 0.0125], rtol=1e-6)
+
+
+# train(...) and evaluate(...).
+
+
+def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, absl_logs):
+  train_dir = str(tmp_path / "train")
+  step = mnist_train.train(train_dir=train_dir, data_dir=tiny_mnist,
+                           num_gpus=2, batch_size=4, max_steps=6,
+                           log_frequency=2, save_checkpoint_secs=3600,
+                           save_summaries_steps=3, mirrors=(), seed=0)
+  assert step == 6
+  assert checkpoint_step(train_dir) == 6  # The final step is saved.
+  logs = absl_logs()
+  assert any("virtual CPU devices" in m for m in logs)
+  assert [int(LOG_LINE.search(m).group(1)) for m in logs
+          if LOG_LINE.search(m)] == [2, 4, 6]
+  tags = summary_tags(train_dir)
+  for tag in ["learning_rate", "loss", "tower_1/losses/cross_entropy",
+              "tower_1/losses/weight_decay", "conv1/weights/gradients"]:
+    assert tag in tags
+  # The variable's histogram (its tag may be uniquified as conv1/weights_1).
+  assert any(re.fullmatch(r"conv1/weights(_\d+)?", t) for t in tags)
+  assert not any(t.startswith("tower_0/") for t in tags)  # Final tower's.
+
+  result = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=tiny_mnist,
+                               batch_size=8, run_once=True, mirrors=())
+  assert result.num_examples == NUM_TEST  # 8 + 8 + 4: each image once.
+  assert result.global_step == 6
+  assert 0.0 <= result.precision <= 1.0
+  assert result.precision == result.num_correct / NUM_TEST
+  assert any(re.search(r"precision @ 1 = [01]\.\d{4}", m)
+             for m in absl_logs())
+  assert "precision @ 1" in summary_tags(os.path.join(train_dir, "eval"))
+
+
+def test_evaluate_without_a_checkpoint_says_to_train_first(tiny_mnist,
+                                                           tmp_path):
+  with pytest.raises(FileNotFoundError, match="train first"):
+    mnist_eval.evaluate(checkpoint_dir=str(tmp_path), data_dir=tiny_mnist,
+                        run_once=True, mirrors=())
+
+
+def test_fake_data_reads_no_file(tmp_path, absl_logs):
+  step = mnist_train.train(train_dir=str(tmp_path / "train"),
+                           data_dir=str(tmp_path / "nothing"), fake_data=True,
+                           num_gpus=2, batch_size=4, max_steps=3,
+                           log_frequency=1, mirrors=OFFLINE)
+  assert step == 3
+  assert any("synthetic images" in m for m in absl_logs())
+  assert not os.path.exists(str(tmp_path / "nothing"))
+
+
+def test_nan_loss_stops_training_with_a_clear_error(tiny_mnist, tmp_path):
+  with pytest.raises(FloatingPointError, match="loss is NaN at step"):
+    mnist_train.train(train_dir=str(tmp_path / "train"), data_dir=tiny_mnist,
+                      num_gpus=2, batch_size=4, max_steps=50,
+                      learning_rate=1e30, dropout_rate=0.0, mirrors=())
+
+
+# The scripts as a user runs them.
+
+
+def _script(name, *flags):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  return [sys.executable, os.path.join(EXAMPLES, name)] + list(flags), env
+
+
+def test_script_offline_exits_with_the_message(tmp_path):
+  args, env = _script("mnist_multi_gpu_train.py",
+                      "--data_dir=%s" % tmp_path, "--mirrors=%s" % OFFLINE[0],
+                      "--train_dir=%s" % (tmp_path / "train"))
+  done = subprocess.run(args, env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 1
+  assert "--fake_data" in done.stderr
+  assert "--dataset=fashion_mnist" in done.stderr
+  assert "Traceback" not in done.stderr
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint(tiny_mnist, tmp_path):
+  train_dir = str(tmp_path / "train")
+  args, env = _script("mnist_multi_gpu_train.py", "--data_dir=" + tiny_mnist,
+                      "--train_dir=" + train_dir, "--num_gpus=2",
+                      "--batch_size=4", "--save_checkpoint_steps=3",
+                      "--log_frequency=1", "--mirrors=")
+  log = tmp_path / "first.log"
+  with open(str(log), "w") as stderr:
+    first = subprocess.Popen(args + ["--max_steps=1000000"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=stderr)
+  try:
+    deadline = time.time() + 90
+    while (checkpoint_step(train_dir) or 0) < 6:
+      assert first.poll() is None, log.read_text()[-2000:]
+      assert time.time() < deadline, "no checkpoint past step 3 in 90s"
+      time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+  finally:
+    if first.poll() is None:
+      first.kill()
+      first.wait()
+  assert first.returncode == -signal.SIGKILL
+  resumed_from = checkpoint_step(train_dir)
+  assert resumed_from >= 6
+
+  done = subprocess.run(args + ["--max_steps=%d" % (resumed_from + 3)],
+                        env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  steps = [int(s) for s in LOG_LINE.findall(done.stderr)]
+  assert steps == [resumed_from + 1, resumed_from + 2, resumed_from + 3]
+  assert checkpoint_step(train_dir) == resumed_from + 3
+
+
+# The real data.
+
+
+def test_two_towers_learn_real_mnist(mnist_dir, tmp_path):
+  train_dir = str(tmp_path / "train")
+  # 12,800 examples (a fifth of an epoch), halving the rate every 6,000.
+  mnist_train.train(train_dir=train_dir, data_dir=mnist_dir, num_gpus=2,
+                    batch_size=32, max_steps=200, learning_rate=0.05,
+                    learning_rate_decay=0.5, epochs_per_decay=0.1,
+                    dropout_rate=0.0, log_frequency=50, mirrors=(), seed=0)
+  result = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=mnist_dir,
+                               run_once=True, mirrors=())
+  assert result.num_examples == 10000
+  assert result.precision > 0.97
