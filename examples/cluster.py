@@ -1,0 +1,208 @@
+"""Between-graph replication on TensorFlow's distributed runtime: the checks.
+
+The classic TF1 cluster flags (``--ps_hosts``, ``--worker_hosts``,
+``--job_name``, ``--task_index``) are easy to get wrong, and a wrong one
+usually shows as a hang: a task waiting forever for a host that is not there,
+or for a chief whose graph expects another cluster. These helpers turn each
+of those into a clear error:
+
+- `make_cluster` checks the flags themselves;
+- `wait_for_hosts` gives the parameter servers a deadline to accept a
+  connection;
+- `check_same_cluster` has the chief write its cluster on parameter server
+  task 0 and every other worker compare its own against it.
+
+Example code, not part of the `towers` library.
+"""
+
+import collections
+import json
+import socket
+import time
+from typing import List, Sequence
+
+from absl import logging
+import tensorflow.compat.v1 as tf
+
+import towers
+
+
+
+class ClusterError(ValueError):
+  """The cluster flags are wrong, or this task's disagree with the chief's."""
+
+
+Task = collections.namedtuple("Task", [
+    "server", "cluster", "is_chief", "worker_device", "config",
+    "num_workers"])
+Task.__doc__ = """This process's place in the cluster (see `start_worker`).
+
+Fields:
+  server: its running ``tf.train.Server``; ``server.target`` is the master.
+  cluster: the ``tf.train.ClusterSpec``.
+  is_chief: whether this is worker task 0, which initializes and saves.
+  worker_device: ``'/job:worker/task:<i>'``.
+  config: the session config: `num_towers` virtual CPU devices where GPUs
+    are missing, and device filters so the session talks only to the
+    parameter servers and this worker (a dead peer worker cannot stall it).
+  num_workers: the number of worker tasks.
+"""
+
+
+def parse_hosts(text: str) -> List[str]:
+  """Splits a comma-separated ``host:port`` list, dropping empty entries."""
+  return [h.strip() for h in (text or "").split(",") if h.strip()]
+
+
+def make_cluster(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
+                 job_name: str, task_index: int) -> tf.train.ClusterSpec:
+  """Returns the cluster, after checking the flags that describe it.
+
+  Raises:
+    ClusterError: naming the flag at fault: a missing or malformed host list,
+      a host listed twice, an unknown job name, or a task index outside the
+      job's list.
+  """
+  for flag, hosts in (("--ps_hosts", ps_hosts),
+                      ("--worker_hosts", worker_hosts)):
+    if not hosts:
+      raise ClusterError("%s is empty: list the cluster's host:port pairs, "
+                       "comma-separated, the same on every task" % flag)
+    for host in hosts:
+      name, _, port = host.rpartition(":")
+      if not name or not port.isdigit():
+        raise ClusterError("%s holds %r, which is not host:port" % (flag, host))
+  everyone = list(ps_hosts) + list(worker_hosts)
+  repeated = sorted({h for h in everyone if everyone.count(h) > 1})
+  if repeated:
+    raise ClusterError("%s listed more than once in --ps_hosts/--worker_hosts; "
+                     "every task needs its own host:port" % ", ".join(repeated))
+  jobs = {"ps": ps_hosts, "worker": worker_hosts}
+  if job_name not in jobs:
+    raise ClusterError("--job_name=%r: expected 'ps' or 'worker'" % (job_name,))
+  if not 0 <= task_index < len(jobs[job_name]):
+    raise ClusterError(
+        "--task_index=%d but --%s_hosts lists %d %s task(s) (indices 0-%d); "
+        "task i is the i-th host of the list"
+        % (task_index, job_name, len(jobs[job_name]), job_name,
+           len(jobs[job_name]) - 1))
+  return tf.train.ClusterSpec({"ps": list(ps_hosts),
+                               "worker": list(worker_hosts)})
+
+
+def wait_for_hosts(hosts: Sequence[str], timeout_secs: float) -> None:
+  """Waits until every ``host:port`` accepts a TCP connection.
+
+  Raises:
+    TimeoutError: naming the hosts still unreachable at the deadline.
+  """
+  deadline = time.time() + timeout_secs
+  waiting = list(hosts)
+  while waiting:
+    still = []
+    for host in waiting:
+      name, _, port = host.rpartition(":")
+      try:
+        with socket.create_connection((name, int(port)), timeout=2):
+          pass
+      except OSError:
+        still.append(host)
+    waiting = still
+    if waiting and time.time() > deadline:
+      raise TimeoutError(
+          "cannot reach %s after %ds: start those tasks, and check that every "
+          "task has the same --ps_hosts and --worker_hosts"
+          % (", ".join(waiting), timeout_secs))
+    if waiting:
+      time.sleep(0.5)
+
+
+def check_same_cluster(target: str, cluster: tf.train.ClusterSpec,
+                       is_chief: bool, config: tf.ConfigProto,
+                       timeout_secs: float) -> None:
+  """Makes sure this worker and the chief describe the same cluster.
+
+  The chief writes its cluster, as JSON, into a string variable on parameter
+  server task 0; every other worker waits for it there and compares. Without
+  this, a worker started with other host lists would wait forever for
+  variables the chief placed elsewhere, or for aggregation tokens of another
+  number of replicas.
+
+  Raises:
+    ClusterError: if this worker's cluster differs from the chief's.
+    TimeoutError: if the chief has not written its cluster in time.
+  """
+  mine = json.dumps(cluster.as_dict(), sort_keys=True)
+  with tf.Graph().as_default():
+    with tf.device("/job:ps/task:0"):
+      spec = tf.Variable(mine, name="towers_cluster_spec", trainable=False,
+                         collections=[], use_resource=False)
+    with tf.Session(target, config=config) as sess:
+      if is_chief:
+        sess.run(spec.initializer)
+        return
+      with tf.device("/job:ps/task:0"):
+        written = tf.is_variable_initialized(spec)
+      deadline = time.time() + timeout_secs
+      while not sess.run(written):
+        if time.time() > deadline:
+          raise TimeoutError(
+              "the chief (worker task 0) has not registered its cluster on %s "
+              "after %ds: start it, and give every task the same --ps_hosts "
+              "and --worker_hosts" % (cluster.task_address("ps", 0),
+                                      timeout_secs))
+        time.sleep(0.5)
+      chiefs = sess.run(spec).decode()
+  if chiefs != mine:
+    raise ClusterError(
+        "this worker's cluster %s differs from the chief's %s: start every "
+        "task with the same --ps_hosts and --worker_hosts" % (mine, chiefs))
+  logging.info("Cluster matches the chief's: %s", mine)
+
+
+def start_task(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
+               job_name: str, task_index: int, num_towers: int, *,
+               log_device_placement: bool = False,
+               startup_timeout_secs: float = 60.0) -> Task:
+  """Checks the flags, starts this task's server and meets the cluster.
+
+  A parameter server serves forever here (this call does not return for
+  one). A worker waits for the parameter servers (`wait_for_hosts`), then
+  makes sure its cluster is the chief's (`check_same_cluster`).
+
+  Raises:
+    ClusterError, TimeoutError: as `make_cluster`, `wait_for_hosts` and
+      `check_same_cluster` do.
+  """
+  cluster = make_cluster(ps_hosts, worker_hosts, job_name, task_index)
+  config = towers.virtual_cpu_config(num_towers,
+                                     log_device_placement=log_device_placement)
+  if towers.tower_devices(num_towers)[0].startswith("/gpu"):
+    config = tf.ConfigProto(allow_soft_placement=True,
+                            log_device_placement=log_device_placement)
+  server = tf.train.Server(cluster, job_name=job_name, task_index=task_index,
+                           config=config)
+  if job_name == "ps":
+    logging.info("Parameter server %d serving on %s", task_index,
+                 ps_hosts[task_index])
+    server.join()
+  worker_device = "/job:worker/task:%d" % task_index
+  config.device_filters[:] = ["/job:ps", worker_device]
+  wait_for_hosts(ps_hosts, startup_timeout_secs)
+  check_same_cluster(server.target, cluster, task_index == 0, config,
+                     startup_timeout_secs)
+  return Task(server=server, cluster=cluster, is_chief=task_index == 0,
+              worker_device=worker_device, config=config,
+              num_workers=len(worker_hosts))
+
+
+def device_setter(task: Task):
+  """Returns the device function of this worker's graph.
+
+  Variables (and the optimizer's slots) go to the parameter servers, round
+  robin over the ps tasks; every other op to this worker. Used around the
+  whole graph and as `variable_device` of the towers, so both share one
+  round-robin count.
+  """
+  return tf.train.replica_device_setter(cluster=task.cluster,
+                                        worker_device=task.worker_device)

@@ -1,0 +1,174 @@
+"""Towers inside each worker, synchronous across workers: real clusters.
+
+Every test starts real ``tf.train.Server`` processes (the MNIST training
+script as ps and worker tasks) on 127.0.0.1, and stops every one of them,
+also when it fails.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import cluster as cluster_lib
+import launch_local_cluster
+import mnist_eval
+from test_mnist import synthetic, write_split
+
+EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
+                                        "examples"))
+TRAIN = os.path.join(EXAMPLES, "mnist_multi_gpu_train.py")
+STEP = re.compile(r"\[(worker\d)\].*step (\d+), loss = (\d+\.\d+)")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """The real MNIST where it is present, else synthetic IDX files."""
+  path = os.environ.get("TOWERS_MNIST_DIR", os.path.join(
+      EXAMPLES, "..", "..", "shared", "data", "mnist"))
+  if os.path.exists(os.path.join(path, "train-images-idx3-ubyte.gz")):
+    return os.path.abspath(path)
+  directory = tmp_path_factory.mktemp("mnist")
+  write_split(directory, "train", *synthetic(600, seed=0))
+  write_split(directory, "test", *synthetic(200, seed=1))
+  return str(directory)
+
+
+class Log:
+  """Collects a cluster's prefixed output lines (a file-like sink)."""
+
+  def __init__(self):
+    self.lines = []
+
+  def write(self, text):
+    self.lines.append(text)
+
+  def flush(self):
+    pass
+
+  def text(self):
+    return "".join(self.lines)
+
+  def steps(self, worker=None):
+    """[(worker, step, loss)] of the original's log lines."""
+    found = [(m.group(1), int(m.group(2)), float(m.group(3)))
+             for m in STEP.finditer(self.text())]
+    return [f for f in found if worker is None or f[0] == worker]
+
+
+def _train_args(data_dir, train_dir, max_steps, *extra):
+  return ["--num_gpus=2", "--batch_size=32", "--max_steps=%d" % max_steps,
+          "--data_dir=" + data_dir, "--train_dir=" + train_dir,
+          "--log_frequency=5", "--save_checkpoint_steps=20",
+          "--startup_timeout_secs=60", "--mirrors="] + list(extra)
+
+
+def _wait(predicate, timeout, what):
+  deadline = time.time() + timeout
+  while not predicate():
+    if time.time() > deadline:
+      raise AssertionError("timed out waiting for " + what)
+    time.sleep(0.5)
+
+
+def test_two_workers_of_two_towers_train_synchronously(data_dir, tmp_path):
+  train_dir = str(tmp_path / "train")
+  log = Log()
+  with launch_local_cluster.Cluster(
+      TRAIN, 1, 2, _train_args(data_dir, train_dir, 60), out=log) as c:
+    c.start_all()
+    code = c.wait_for_workers()
+  assert code == 0, log.text()[-4000:]
+  assert tf.train.load_variable(train_dir, "global_step") == 60
+  chief = log.steps("worker0")
+  assert chief and log.steps("worker1"), log.text()[-4000:]
+  losses = [loss for _, _, loss in chief]
+  assert np.mean(losses[-3:]) < np.mean(losses[:3])
+  # The chief's checkpoint restores into the single-device evaluation.
+  result = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=data_dir,
+                               eval_dir=str(tmp_path / "eval"), run_once=True,
+                               mirrors=())
+  assert result.global_step == 60
+  assert result.precision > 0.5
+
+
+def test_a_killed_backup_worker_does_not_stop_training(data_dir, tmp_path):
+  train_dir = str(tmp_path / "train")
+  log = Log()
+  args = _train_args(data_dir, train_dir, 80, "--replicas_to_aggregate=2")
+  with launch_local_cluster.Cluster(TRAIN, 1, 3, args, out=log) as c:
+    c.start_all()
+    _wait(lambda: log.steps("worker2"), 240, "worker2's first step")
+    os.killpg(c.tasks["worker2"].pid, signal.SIGKILL)
+    code = {}
+    for name in ("worker0", "worker1"):
+      code[name] = c.tasks[name].wait(timeout=300)
+  assert code == {"worker0": 0, "worker1": 0}, log.text()[-4000:]
+  assert c.tasks["worker2"].returncode == -signal.SIGKILL
+  assert tf.train.load_variable(train_dir, "global_step") == 80
+
+
+def _run_task(args, timeout=120):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  return subprocess.run([sys.executable, TRAIN] + args, capture_output=True,
+                        text=True, timeout=timeout, env=env, check=False)
+
+
+def test_a_wrong_task_index_is_a_clear_error(tmp_path):
+  done = _run_task(["--ps_hosts=127.0.0.1:1", "--worker_hosts=127.0.0.1:2",
+                    "--job_name=worker", "--task_index=3",
+                    "--train_dir=%s" % tmp_path])
+  assert done.returncode != 0
+  assert "--task_index=3 but --worker_hosts lists 1 worker" in done.stderr
+
+
+def test_an_unreachable_parameter_server_is_a_clear_error(tmp_path):
+  ps, worker = launch_local_cluster.free_ports(2)
+  started = time.time()
+  done = _run_task(["--ps_hosts=127.0.0.1:%d" % ps,
+                    "--worker_hosts=127.0.0.1:%d" % worker,
+                    "--job_name=worker", "--task_index=0",
+                    "--startup_timeout_secs=3", "--train_dir=%s" % tmp_path])
+  assert done.returncode != 0
+  assert "cannot reach 127.0.0.1:%d" % ps in done.stderr
+  assert time.time() - started < 60
+
+
+def test_host_lists_that_differ_from_the_chiefs_are_a_clear_error(
+    data_dir, tmp_path):
+  log = Log()
+  with launch_local_cluster.Cluster(
+      TRAIN, 1, 2, _train_args(data_dir, str(tmp_path / "train"), 1000),
+      out=log) as c:
+    c.start("ps", 0)
+    c.start("worker", 0)
+    # Task 1 believes in a third worker the chief does not know.
+    hosts = c.worker_hosts + ["127.0.0.1:%d"
+                              % launch_local_cluster.free_ports(1)[0]]
+    args = [("--worker_hosts=" + ",".join(hosts))
+            if a.startswith("--worker_hosts=") else a
+            for a in c.command("worker", 1)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run(args, capture_output=True, text=True, timeout=180,
+                          env=env, check=False)
+  assert done.returncode != 0
+  assert "differs from the chief's" in done.stderr, done.stderr[-3000:]
+
+
+def test_the_cluster_flags_are_checked():
+  with pytest.raises(ValueError, match="--ps_hosts is empty"):
+    cluster_lib.make_cluster([], ["a:1"], "worker", 0)
+  with pytest.raises(ValueError, match="not host:port"):
+    cluster_lib.make_cluster(["a"], ["b:1"], "worker", 0)
+  with pytest.raises(ValueError, match="listed more than once"):
+    cluster_lib.make_cluster(["a:1"], ["a:1"], "worker", 0)
+  with pytest.raises(ValueError, match="expected 'ps' or 'worker'"):
+    cluster_lib.make_cluster(["a:1"], ["b:1"], "chief", 0)
+  with pytest.raises(ValueError, match="--task_index=1 but --ps_hosts"):
+    cluster_lib.make_cluster(["a:1"], ["b:1"], "ps", 1)
