@@ -193,23 +193,16 @@ def define_flags() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
   if FLAGS.num_examples < 1:
     raise app.UsageError("--num_examples must be positive, got %d"
                          % FLAGS.num_examples)
-  try:
-    evaluate(data_dir=FLAGS.data_dir, checkpoint_dir=FLAGS.checkpoint_dir,
-             eval_dir=FLAGS.eval_dir, num_examples=FLAGS.num_examples,
-             batch_size=FLAGS.batch_size,
-             eval_interval_secs=FLAGS.eval_interval_secs,
-             run_once=FLAGS.run_once)
-  except (common.DownloadError, cifar10_data.CorruptDataError,
-          FileNotFoundError) as e:
-    # Expected failures get their message, not a traceback.
-    logging.error("%s", e)
-    return 1
-  return 0
+  expected = (common.DownloadError, cifar10_data.CorruptDataError,
+              FileNotFoundError)
+  return common.run_main(argv, lambda: evaluate(
+      data_dir=FLAGS.data_dir, checkpoint_dir=FLAGS.checkpoint_dir,
+      eval_dir=FLAGS.eval_dir, num_examples=FLAGS.num_examples,
+      batch_size=FLAGS.batch_size, eval_interval_secs=FLAGS.eval_interval_secs,
+      run_once=FLAGS.run_once), expected)
 
 
 if __name__ == "__main__":

@@ -254,22 +254,16 @@ def define_flags() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
-  try:
-    train(data_dir=FLAGS.data_dir, train_dir=FLAGS.train_dir,
-          num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,
-          max_steps=FLAGS.max_steps, fake_data=FLAGS.fake_data,
-          log_device_placement=FLAGS.log_device_placement,
-          log_frequency=FLAGS.log_frequency,
-          save_checkpoint_steps=FLAGS.save_checkpoint_steps,
-          save_summaries_steps=FLAGS.save_summaries_steps)
-  except (common.DownloadError, cifar10_data.CorruptDataError,
-          FileNotFoundError, FloatingPointError) as e:
-    # Expected failures get their message, not a traceback.
-    logging.error("%s", e)
-    return 1
-  return 0
+  expected = (common.DownloadError, cifar10_data.CorruptDataError,
+              FileNotFoundError, FloatingPointError)
+  return common.run_main(argv, lambda: train(
+      data_dir=FLAGS.data_dir, train_dir=FLAGS.train_dir,
+      num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,
+      max_steps=FLAGS.max_steps, fake_data=FLAGS.fake_data,
+      log_device_placement=FLAGS.log_device_placement,
+      log_frequency=FLAGS.log_frequency,
+      save_checkpoint_steps=FLAGS.save_checkpoint_steps,
+      save_summaries_steps=FLAGS.save_summaries_steps), expected)
 
 
 if __name__ == "__main__":

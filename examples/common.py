@@ -13,6 +13,7 @@ import time
 import urllib.request
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
+from absl import app
 from absl import logging
 import tensorflow.compat.v1 as tf
 
@@ -192,6 +193,23 @@ def evaluate_checkpoints(evaluate_once: Callable[[str], float],
       if run_once:
         return result
     time.sleep(eval_interval_secs)
+
+
+def run_main(argv: Sequence[str], call: Callable[[], object],
+             expected: Tuple[type, ...]) -> int:
+  """Runs a script's `call`; returns its exit code.
+
+  An `expected` failure (missing data, a corrupt file, a NaN loss...) is
+  logged as its one-line message and gives 1, not a traceback.
+  """
+  if len(argv) > 1:
+    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  try:
+    call()
+  except expected as e:
+    logging.error("%s", e)
+    return 1
+  return 0
 
 
 class DownloadError(OSError):

@@ -148,19 +148,12 @@ def define_flags() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
-  try:
-    evaluate(checkpoint_dir=FLAGS.checkpoint_dir, data_dir=FLAGS.data_dir,
-             dataset=FLAGS.dataset, eval_dir=FLAGS.eval_dir,
-             batch_size=FLAGS.batch_size,
-             eval_interval_secs=FLAGS.eval_interval_secs,
-             run_once=FLAGS.run_once,
-             mirrors=FLAGS.mirrors)
-  except (mnist_data.DataError, FileNotFoundError) as e:
-    logging.error("%s", e)
-    return 1
-  return 0
+  expected = (mnist_data.DataError, FileNotFoundError)
+  return common.run_main(argv, lambda: evaluate(
+      checkpoint_dir=FLAGS.checkpoint_dir, data_dir=FLAGS.data_dir,
+      dataset=FLAGS.dataset, eval_dir=FLAGS.eval_dir,
+      batch_size=FLAGS.batch_size, eval_interval_secs=FLAGS.eval_interval_secs,
+      run_once=FLAGS.run_once, mirrors=FLAGS.mirrors), expected)
 
 
 if __name__ == "__main__":

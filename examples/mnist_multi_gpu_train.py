@@ -365,33 +365,25 @@ def define_flags() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
-  try:
-    train(train_dir=FLAGS.train_dir, data_dir=FLAGS.data_dir,
-          dataset=FLAGS.dataset, num_gpus=FLAGS.num_gpus,
-          batch_size=FLAGS.batch_size, max_steps=FLAGS.max_steps,
-          learning_rate=FLAGS.learning_rate, momentum=FLAGS.momentum,
-          learning_rate_decay=FLAGS.learning_rate_decay,
-          epochs_per_decay=FLAGS.epochs_per_decay,
-          weight_decay=FLAGS.weight_decay, dropout_rate=FLAGS.dropout_rate,
-          fake_data=FLAGS.fake_data,
-          log_device_placement=FLAGS.log_device_placement,
-          log_frequency=FLAGS.log_frequency,
-          save_checkpoint_secs=FLAGS.save_checkpoint_secs,
-          save_checkpoint_steps=FLAGS.save_checkpoint_steps,
-          save_summaries_steps=FLAGS.save_summaries_steps, seed=FLAGS.seed,
-          mirrors=FLAGS.mirrors, ps_hosts=FLAGS.ps_hosts,
-          worker_hosts=FLAGS.worker_hosts, job_name=FLAGS.job_name,
-          task_index=FLAGS.task_index,
-          replicas_to_aggregate=FLAGS.replicas_to_aggregate,
-          startup_timeout_secs=FLAGS.startup_timeout_secs)
-  except (mnist_data.DataError, FloatingPointError, cluster.ClusterError,
-          TimeoutError) as e:
-    # Expected failures get their message, not a traceback.
-    logging.error("%s", e)
-    return 1
-  return 0
+  expected = (mnist_data.DataError, FloatingPointError, cluster.ClusterError,
+              TimeoutError)
+  return common.run_main(argv, lambda: train(
+      train_dir=FLAGS.train_dir, data_dir=FLAGS.data_dir, dataset=FLAGS.dataset,
+      num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,
+      max_steps=FLAGS.max_steps, learning_rate=FLAGS.learning_rate,
+      momentum=FLAGS.momentum, learning_rate_decay=FLAGS.learning_rate_decay,
+      epochs_per_decay=FLAGS.epochs_per_decay, weight_decay=FLAGS.weight_decay,
+      dropout_rate=FLAGS.dropout_rate, fake_data=FLAGS.fake_data,
+      log_device_placement=FLAGS.log_device_placement,
+      log_frequency=FLAGS.log_frequency,
+      save_checkpoint_secs=FLAGS.save_checkpoint_secs,
+      save_checkpoint_steps=FLAGS.save_checkpoint_steps,
+      save_summaries_steps=FLAGS.save_summaries_steps, seed=FLAGS.seed,
+      mirrors=FLAGS.mirrors, ps_hosts=FLAGS.ps_hosts,
+      worker_hosts=FLAGS.worker_hosts, job_name=FLAGS.job_name,
+      task_index=FLAGS.task_index,
+      replicas_to_aggregate=FLAGS.replicas_to_aggregate,
+      startup_timeout_secs=FLAGS.startup_timeout_secs), expected)
 
 
 if __name__ == "__main__":

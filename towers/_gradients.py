@@ -33,9 +33,9 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
   update: no variable is updated in place while another tower's backprop may
   still read it (the same guarantee as ``GATE_GRAPH``).
 
-  It does not sum (scale the loss for that), clip (clip the result: the norm
-  of the average is what matters) or densify mixed dense and sparse
-  gradients of one variable other than by converting them all to dense.
+  It does not sum (scale the loss for that) or clip (clip its result: the
+  norm of the average is what matters). A variable whose gradient is dense
+  in some towers and sparse in others is averaged densely.
 
   Args:
     tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
@@ -68,12 +68,14 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
     # One NoOp per device, then one root: tf.group keeps the cross-device
     # control edges to one per device instead of one per gradient.
     barrier = [tf.group(*flat, name="all_towers_done")] if flat else []
+    uniform = _is_uniform(weights)
     averaged = []
     for pairs in zip(*tower_grads):
       var = pairs[0][1]
       grads = [g for g, _ in pairs]
       where = var.device if device is None else device
-      averaged.append((_average(grads, var, weights, barrier, where), var))
+      averaged.append(
+          (_average(grads, var, weights, uniform, barrier, where), var))
     return averaged
 
 
@@ -162,8 +164,13 @@ def _scaled(tensor: tf.Tensor, weight: Weight) -> tf.Tensor:
 
 
 def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
-             barrier: List[tf.Operation], device: str) -> Optional[Gradient]:
-  """Returns the weighted mean of one variable's gradients."""
+             uniform: bool, barrier: List[tf.Operation],
+             device: str) -> Optional[Gradient]:
+  """Returns the weighted mean of one variable's gradients.
+
+  With `uniform` weights the towers' gradients are combined first and
+  divided once; otherwise each is scaled on its own device first.
+  """
   missing = [i for i, g in enumerate(grads) if g is None]
   if len(missing) == len(grads):
     return None
@@ -178,7 +185,6 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
     # Dense in some towers and sparse in others: only possible when the
     # towers' models differ. Converting all to dense is exact.
     grads = [tf.convert_to_tensor(g) for g in grads]
-  uniform = _is_uniform(weights)
   if isinstance(grads[0], tf.IndexedSlices):
     values = [g.values for g in grads]
     indices = [g.indices for g in grads]
