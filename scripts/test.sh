@@ -3,7 +3,8 @@
 # range (the README's test command; .ci/run runs exactly this):
 #   newest  the newest TensorFlow setup.py admits (+ tf_keras for Keras 3):
 #           library tests under ref variables (tf.disable_v2_behavior()),
-#           then every test, the examples' included, under resource variables;
+#           then every test, the examples' and the benchmark's included,
+#           under resource variables;
 #   oldest  TensorFlow 2.12 (numpy<2), the oldest that installs on Python
 #           3.11: library tests under both kinds of variables.
 # Usage: bash scripts/test.sh [newest] [oldest]     (default: both)
@@ -67,14 +68,17 @@ for env in "${envs[@]}"; do
   case "$env" in
     newest)
       py=$(setup newest -e ".[tf,test]")
-      tests "$py" tests --ref-variables --ignore=tests/examples
+      tests "$py" tests --ref-variables --ignore=tests/examples \
+        --ignore=tests/test_benchmarks.py
       tests "$py" tests
       summary+=("$(describe "$py" "ref + resource (examples: resource)")")
       ;;
     oldest)
       py=$(setup oldest "tensorflow==2.12.*" "numpy<2" -e ".[test]")
-      tests "$py" tests --ref-variables --ignore=tests/examples
-      tests "$py" tests --ignore=tests/examples
+      tests "$py" tests --ref-variables --ignore=tests/examples \
+        --ignore=tests/test_benchmarks.py
+      tests "$py" tests --ignore=tests/examples \
+        --ignore=tests/test_benchmarks.py
       summary+=("$(describe "$py" "ref + resource")")
       ;;
     *)

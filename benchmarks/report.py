@@ -1,0 +1,272 @@
+"""Targets, the markdown tables, the JSON file and the chart."""
+
+import json
+import os
+from typing import Dict, List, Optional, Tuple
+
+from absl import logging
+import numpy as np
+
+from benchmarks import graphs
+from benchmarks import quiet
+
+# The issue's targets.
+ONE_TOWER_RATIO = 0.97
+MANY_TOWERS_RATIO = 0.90
+# "Clearly less peak memory" than the original's, made a number: at least
+# 20% less.
+PEAK_MEMORY_RATIO = 0.80
+# Linear build time: in the largest build, the later towers may cost at
+# most this much more than the earlier ones (each tower's model and
+# gradients, timed inside one build, so machine drift between builds does
+# not enter).
+BUILD_TOWER_GROWTH = 1.25
+
+MIB = float(1 << 20)
+
+
+def _target(name: str, met: bool, detail: str) -> Dict[str, object]:
+  return {"target": name, "met": bool(met), "detail": detail}
+
+
+def ratio_interval(row: Dict[str, object], reference: Dict[str, object],
+                   resamples: int = 2000) -> Tuple[float, float]:
+  """Returns a 95% bootstrap interval of row's speed over reference's.
+
+  The speed ratio is the reference's median step time over the row's; both
+  sets of step times are resampled with replacement (as if independent,
+  which interleaving makes nearly so), seeded so that runs repeat.
+  """
+  rng = np.random.RandomState(0)
+  mine = np.asarray(row["step_seconds"])
+  theirs = np.asarray(reference["step_seconds"])
+  ratios = (np.median(rng.choice(theirs, (resamples, theirs.size)), axis=1)
+            / np.median(rng.choice(mine, (resamples, mine.size)), axis=1))
+  low, high = np.percentile(ratios, [2.5, 97.5])
+  return float(low), float(high)
+
+
+def _ratio_detail(ratio: float, interval: Tuple[float, float],
+                  threshold: float) -> str:
+  low, high = interval
+  noise = ", within noise" if low <= threshold <= high else ""
+  return "%.3fx [%.3f, %.3f]%s" % (ratio, low, high, noise)
+
+
+def throughput_targets(rows: List[Dict[str, object]]) -> None:
+  """Adds each `towers` row's targets (``row["targets"]``) in place.
+
+  A target is met or not by the medians. Each detail gives the ratio with
+  its 95% bootstrap interval (`ratio_interval`), and says "within noise"
+  where that interval holds the threshold.
+  """
+  by_key = {(r["variant"], r["num_towers"]): r for r in rows}
+  plain = by_key[(graphs.PLAIN, 1)]
+  for row in rows:
+    row["targets"] = []
+    if row["variant"] not in (graphs.TOWERS, graphs.BALANCED):
+      continue
+    n = row["num_towers"]
+    need = ONE_TOWER_RATIO if n == 1 else MANY_TOWERS_RATIO
+    row["targets"].append(_target(
+        ">= %.2fx plain" % need, row["ratio_to_plain"] >= need,
+        _ratio_detail(row["ratio_to_plain"], ratio_interval(row, plain),
+                      need)))
+    for other in (graphs.ORIGINAL, graphs.MIRRORED):
+      rival = by_key.get((other, n))
+      if rival is None:
+        continue
+      speedup = row["examples_per_sec"] / rival["examples_per_sec"]
+      row["targets"].append(_target(
+          "faster than %s" % other, speedup > 1.0,
+          _ratio_detail(speedup, ratio_interval(row, rival), 1.0)))
+
+
+def averaging_targets(result: Dict[str, object]) -> None:
+  """Adds the averaging targets to `result` in place."""
+  ours, theirs = result["towers"], result["original"]
+  time_ratio = ours["median_step_sec"] / theirs["median_step_sec"]
+  tensor_ratio = ours["tensor_peak_bytes"] / theirs["tensor_peak_bytes"]
+  rss_ratio = (ours["rss_peak_extra_bytes"] / theirs["rss_peak_extra_bytes"]
+               if theirs["rss_peak_extra_bytes"] else float("nan"))
+  result["time_ratio"] = time_ratio
+  result["tensor_peak_ratio"] = tensor_ratio
+  result["rss_peak_ratio"] = rss_ratio
+  result["targets"] = [
+      _target("time <= original's", time_ratio <= 1.0,
+              "%.2fx the original's" % time_ratio),
+      _target("peak memory <= %.2fx original's" % PEAK_MEMORY_RATIO,
+              tensor_ratio <= PEAK_MEMORY_RATIO
+              and rss_ratio <= PEAK_MEMORY_RATIO,
+              "tensors %.2fx, process %.2fx" % (tensor_ratio, rss_ratio)),
+  ]
+
+
+def build_targets(result: Dict[str, object]) -> None:
+  """Adds the build-time target to `result` in place."""
+  growth = result["tower_cost_growth"]
+  result["targets"] = [_target(
+      "build time linear in towers (later towers cost <= %.2fx the earlier)"
+      % BUILD_TOWER_GROWTH, growth <= BUILD_TOWER_GROWTH,
+      "later/earlier tower cost %.2fx in the %d-tower build; increments "
+      "per added tower spread %.2fx (time), %.2fx (ops)"
+      % (growth, result["rows"][-1]["num_towers"], result["time_spread"],
+         result["ops_spread"]))]
+
+
+def _met(targets: List[Dict[str, object]]) -> str:
+  if not targets:
+    return "-"
+  return "; ".join("%s: %s (%s)" % (t["target"],
+                                    "met" if t["met"] else "**not met**",
+                                    t["detail"]) for t in targets)
+
+
+def markdown(results: Dict[str, object]) -> str:
+  """Returns the results as markdown tables."""
+  lines = []
+  for workload in results["throughput"]:
+    lines += ["### %s, global batch %d" % (workload["title"],
+                                          workload["global_batch"]), "",
+              "| variant | towers | examples/sec | x plain | step ms "
+              "(median [q1, q3]) | targets |",
+              "|---|---:|---:|---:|---:|---|"]
+    for row in workload["rows"]:
+      lines.append("| %s | %d | %.1f | %.3f | %.1f [%.1f, %.1f] | %s |" % (
+          row["variant"], row["num_towers"], row["examples_per_sec"],
+          row["ratio_to_plain"], 1e3 * row["median_step_sec"],
+          1e3 * row["q1_step_sec"], 1e3 * row["q3_step_sec"],
+          _met(row["targets"])))
+    lines += ["", "Other processes during the kept rounds: %s; rounds "
+              "repeated: %d." % (quiet.describe(
+                  workload["rounds"]["foreign_cores"]),
+                                 workload["rounds"]["repeated_rounds"]), ""]
+  averaging = results.get("average_gradients")
+  if averaging:
+    lines += ["### average_gradients alone: %d towers x %d variables x "
+              "%d floats (%.0f MiB per tower)" % (
+                  averaging["num_towers"], averaging["num_vars"],
+                  averaging["num_floats"],
+                  averaging["num_vars"] * averaging["num_floats"] * 4 / MIB),
+              "",
+              "| averaging | step ms (median [q1, q3]) | peak tensors MiB | "
+              "peak process MiB | allocated MiB |",
+              "|---|---:|---:|---:|---:|"]
+    for name in ("towers", "original"):
+      row = averaging[name]
+      lines.append("| %s | %.1f [%.1f, %.1f] | %.0f | %.0f | %.0f |" % (
+          name, 1e3 * row["median_step_sec"], 1e3 * row["q1_step_sec"],
+          1e3 * row["q3_step_sec"], row["tensor_peak_bytes"] / MIB,
+          row["rss_peak_extra_bytes"] / MIB,
+          row["tensor_allocated_bytes"] / MIB))
+    lines += ["", "Targets: " + _met(averaging["targets"]), ""]
+    if len(averaging["peaks_by_towers"]) > 1:
+      lines += ["Peak memory against the number of towers (same variables):",
+                "", "| towers | towers peak MiB (tensors, process) | "
+                "original peak MiB (tensors, process) | tensors ratio | "
+                "allocated MiB (towers, original) |",
+                "|---:|---:|---:|---:|---:|"]
+      for peak in averaging["peaks_by_towers"]:
+        ours, theirs = peak["towers"], peak["original"]
+        lines.append("| %d | %.0f, %.0f | %.0f, %.0f | %.2f | %.0f, %.0f |" % (
+            peak["num_towers"], ours["tensor_peak_bytes"] / MIB,
+            ours["rss_peak_extra_bytes"] / MIB,
+            theirs["tensor_peak_bytes"] / MIB,
+            theirs["rss_peak_extra_bytes"] / MIB,
+            ours["tensor_peak_bytes"] / theirs["tensor_peak_bytes"],
+            ours["tensor_allocated_bytes"] / MIB,
+            theirs["tensor_allocated_bytes"] / MIB))
+      lines.append("")
+  build = results.get("build")
+  if build:
+    lines += ["### Graph build (towers.minimize, %s), median of %d" % (
+        build["title"], build["repeats"]), "",
+              "| towers | build s | ops | ops per tower | s per tower, "
+              "tower 0 to n-2 |",
+              "|---:|---:|---:|---:|---|"]
+    for row in build["rows"]:
+      lines.append("| %d | %.3f | %d | %.1f | %s |" % (
+          row["num_towers"], row["seconds"], row["ops"],
+          row["ops_per_tower"],
+          " ".join("%.3f" % t for t in row["tower_seconds"]) or "-"))
+    lines += ["", "| added towers | s per added tower | ops per added "
+              "tower |", "|---|---:|---:|"]
+    for inc in build["increments"]:
+      lines.append("| %d -> %d | %.3f | %.1f |" % (
+          inc["from_towers"], inc["to_towers"], inc["seconds_per_tower"],
+          inc["ops_per_tower"]))
+    lines += ["", "Targets: " + _met(build["targets"]), ""]
+  return "\n".join(lines)
+
+
+def write_json(results: Dict[str, object], path: str) -> None:
+  with open(path, "w") as f:
+    json.dump(results, f, indent=2, sort_keys=True)
+    f.write("\n")
+
+
+def chart(results: Dict[str, object], path: str) -> Optional[str]:
+  """Draws examples/sec against towers, one line per variant.
+
+  Returns:
+    `path`, or None when matplotlib is not installed (the ``bench`` extra).
+  """
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    logging.info("matplotlib is not installed (pip install -e '.[bench]'); "
+                 "no chart")
+    return None
+  workloads = results["throughput"]
+  figure, axes = pyplot.subplots(1, len(workloads), squeeze=False,
+                                 figsize=(4.6 * len(workloads), 3.6))
+  styles = {graphs.TOWERS: "o-", graphs.BALANCED: "s--",
+            graphs.ORIGINAL: "^-", graphs.MIRRORED: "v-"}
+  for ax, workload in zip(axes[0], workloads):
+    rows = workload["rows"]
+    counts = sorted({r["num_towers"] for r in rows})
+    for variant in graphs.VARIANTS:
+      points = sorted((r["num_towers"], r["examples_per_sec"])
+                      for r in rows if r["variant"] == variant)
+      if not points:
+        continue
+      if variant == graphs.PLAIN:
+        ax.axhline(points[0][1], color="black", linestyle=":",
+                   label="plain (one device)")
+        continue
+      x, y = zip(*points)
+      ax.plot(x, y, styles[variant], label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts)
+    ax.set_xticklabels([str(c) for c in counts])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("towers (global batch %d)" % workload["global_batch"])
+    ax.set_ylabel("examples/sec")
+    ax.set_title(workload["title"])
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize="small", loc="lower left")
+  figure.tight_layout()
+  figure.savefig(path, dpi=90)
+  pyplot.close(figure)
+  return path
+
+
+def summary(results: Dict[str, object]) -> List[Dict[str, object]]:
+  """Returns every target of the run, flattened, with where it applies."""
+  flat = []
+  for workload in results["throughput"]:
+    for row in workload["rows"]:
+      for t in row["targets"]:
+        flat.append(dict(t, scope="%s %s x%d" % (
+            workload["workload"], row["variant"], row["num_towers"])))
+  for key in ("average_gradients", "build"):
+    if results.get(key):
+      flat += [dict(t, scope=key) for t in results[key]["targets"]]
+  return flat
+
+
+def ensure_dir(path: str) -> str:
+  os.makedirs(path, exist_ok=True)
+  return path

@@ -1,0 +1,450 @@
+"""Runs every benchmark once: a markdown table, a JSON file and a chart.
+
+  python -m benchmarks.run --out=/tmp/towers_bench
+  python -m benchmarks.run --quick --out=/tmp/towers_bench_quick
+
+In one run, on the same devices (GPUs when there are enough, else virtual CPU
+devices) and the same global batch, it times training steps of the MNIST and
+CIFAR-10 CNNs on synthetic in-memory batches as
+
+- plain: one device, ``opt.minimize(loss)``, the limit;
+- towers: `towers.minimize` over 1, 2 and 4 towers (the global batch split),
+  variables on ``/cpu:0``, and with ``variable_device="balanced"``;
+- original: the same towers averaged the original tutorial's way;
+- mirrored: TF2's ``tf.distribute.MirroredStrategy`` with a ``tf.function``
+  step, each strategy in a worker process of its own;
+
+then `towers.average_gradients` alone against the original's on a large
+gradient set (time and peak memory), and the graph build time and op count
+of 1, 2, 4 and 8 towers. Warm-up steps are not timed; variants are
+interleaved in rounds (each round runs a few steps of every variant, in a
+random order, after one untimed step) and the median step time over all
+rounds gives examples/sec. A round during which other processes kept the machine
+busy is repeated once they are quiet (within --quiet_wait_minutes); the
+cores they used are recorded per round. Results go to ``--out``:
+results.json, results.md and
+examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
+``--quick`` runs a small version in under a minute. See docs/performance.md.
+"""
+
+import datetime
+import os
+import platform
+import random
+import statistics
+import time
+from typing import Callable, Dict, List, Sequence, Tuple
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from benchmarks import averaging
+from benchmarks import build_time
+from benchmarks import graphs
+from benchmarks import mirrored
+from benchmarks import quiet
+from benchmarks import report
+from benchmarks import workloads
+
+FLAGS = flags.FLAGS
+
+
+def _step_stats(times: Sequence[float]) -> Dict[str, object]:
+  q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
+  return {"median_step_sec": median, "q1_step_sec": q1, "q3_step_sec": q3,
+          "steps_timed": len(times), "step_seconds": list(times)}
+
+
+class Quiet:
+  """What to do with a round that other processes disturbed.
+
+  A round during which other processes kept more than `max_foreign` cores
+  busy (see `quiet.CpuMonitor`) is dropped and run again once they have gone
+  quiet, as long as the run's total waiting stays within `wait_seconds`;
+  after that, disturbed rounds are kept and counted.
+  """
+
+  def __init__(self, monitor: quiet.CpuMonitor, max_foreign: float,
+               wait_seconds: float):
+    self.monitor = monitor
+    self.max_foreign = max_foreign
+    self.wait_seconds = wait_seconds
+    self.waited = 0.0
+
+  def keep(self, foreign: float) -> bool:
+    """Returns whether to keep a round; waits for quiet if not."""
+    if foreign <= self.max_foreign:
+      return True
+    remaining = self.wait_seconds - self.waited
+    if remaining <= 0:
+      logging.warning("other processes used %.2f cores during this round; "
+                      "kept (no waiting time left)", foreign)
+      return True
+    logging.warning("other processes used %.2f cores during this round; "
+                    "waiting for them, then repeating it", foreign)
+    self.waited += self.monitor.wait_until_quiet(self.max_foreign, remaining)
+    return False
+
+
+def interleave(runners: Dict[object, object], *, warmup: int, rounds: int,
+               steps: int, quiet_policy: Quiet
+              ) -> Tuple[Dict[object, List[float]], Dict[str, object]]:
+  """Times every runner's steps in interleaved rounds.
+
+  Each round visits every runner once, in a fresh random order (seeded, so
+  runs repeat): drift of the machine hits all runners alike, and no runner
+  always follows the same one. A visit runs one untimed step, then `steps`
+  timed ones: the first step after another runner (another session or
+  process) has cold caches, which a training job running only this step
+  never has.
+
+  Args:
+    runners: name -> an object with ``run(steps) -> [seconds]``.
+    warmup: untimed steps of each runner first.
+    rounds: rounds to keep.
+    steps: timed steps of each runner per round.
+    quiet_policy: decides whether a round disturbed by other processes is
+      kept.
+
+  Returns:
+    ``(times, rounds_info)``: name -> every kept step's seconds, and the
+    cores other processes used in each kept round, with the number of
+    rounds dropped and repeated.
+  """
+  names = list(runners)
+  for name in names:
+    runners[name].run(warmup)
+  times = {name: [] for name in names}
+  foreign, repeated = [], 0
+  while len(foreign) < rounds:
+    order = list(names)
+    random.Random(len(foreign)).shuffle(order)
+    quiet_policy.monitor.start()
+    got = [(name, runners[name].run(1 + steps)[1:]) for name in order]
+    cores = quiet_policy.monitor.foreign_cores()
+    if not quiet_policy.keep(cores):
+      repeated += 1
+      continue
+    for name, seconds in got:
+      times[name].extend(seconds)
+    foreign.append(cores)
+    logging.info("round %d/%d done (other processes: %.2f cores)",
+                 len(foreign), rounds, cores)
+  return times, {"foreign_cores": foreign, "repeated_rounds": repeated}
+
+
+def _machine() -> Dict[str, object]:
+  model = platform.processor() or "unknown"
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          model = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  memory = None
+  try:
+    with open("/proc/meminfo") as f:
+      memory = int(f.readline().split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return {"cpu": model, "cores": os.cpu_count(), "memory_bytes": memory,
+          "gpus": len(tf.config.list_physical_devices("GPU")),
+          "platform": platform.platform(),
+          "python": platform.python_version(),
+          "tensorflow": tf.__version__, "numpy": np.__version__}
+
+
+def load_average() -> List[float]:
+  """Returns the 1, 5 and 15 minute load averages (empty if unknown)."""
+  try:
+    return list(os.getloadavg())
+  except OSError:
+    return []
+
+
+def throughput(workload: workloads.Workload, *, global_batch: int,
+               tower_counts: Sequence[int], num_devices: int,
+               workers: Dict[int, mirrored.MirroredWorker],
+               before_timing: Callable[[], object], quiet_policy: Quiet,
+               warmup: int, rounds: int, steps: int) -> Dict[str, object]:
+  """Times every variant of one workload; returns its rows.
+
+  `before_timing` is called once the graphs are built, before the first
+  step; it waits for any start-up work still running beside this process.
+  """
+  images, labels = workloads.synthetic_batch(workload, global_batch)
+  plan = [(graphs.PLAIN, 1)]
+  plan += [(graphs.TOWERS, n) for n in tower_counts]
+  # With one tower, "balanced" places every variable on that tower's
+  # device, as "cpu" does here: the same graph, so it is not run again.
+  plan += [(graphs.BALANCED, n) for n in tower_counts if n > 1]
+  plan += [(graphs.ORIGINAL, n) for n in tower_counts]
+  runners, num_ops = {}, {}
+  for variant, n in plan:
+    step = graphs.GraphStep(workload, variant, n, images, labels,
+                            num_devices)
+    runners[(variant, n)] = step
+    num_ops[(variant, n)] = step.num_ops
+  before_timing()
+  for n, worker in sorted(workers.items()):
+    worker.wait_until_ready()
+    runners[(graphs.MIRRORED, n)] = worker
+  logging.info("%s: timing %d variants, global batch %d", workload.name,
+               len(runners), global_batch)
+  try:
+    times, rounds_info = interleave(runners, warmup=warmup, rounds=rounds,
+                                    steps=steps, quiet_policy=quiet_policy)
+  finally:
+    for key, runner in runners.items():
+      if key[0] != graphs.MIRRORED:
+        runner.close()
+  rows = []
+  for (variant, n), seconds in times.items():
+    row = {"variant": variant, "num_towers": n,
+           "num_ops": num_ops.get((variant, n))}
+    row.update(_step_stats(seconds))
+    row["examples_per_sec"] = global_batch / row["median_step_sec"]
+    rows.append(row)
+  plain = next(r for r in rows if r["variant"] == graphs.PLAIN)
+  for row in rows:
+    row["ratio_to_plain"] = row["examples_per_sec"] / plain["examples_per_sec"]
+  order = {v: i for i, v in enumerate(graphs.VARIANTS)}
+  rows.sort(key=lambda r: (order[r["variant"]], r["num_towers"]))
+  report.throughput_targets(rows)
+  return {"workload": workload.name, "title": workload.title,
+          "global_batch": global_batch, "rows": rows, "rounds": rounds_info}
+
+
+def average_gradients_result(peaks: averaging.PeakMeasurements, *,
+                             num_towers: int, num_vars: int, num_floats: int,
+                             peak_tower_counts: Sequence[int],
+                             quiet_policy: Quiet, warmup: int, rounds: int,
+                             steps: int) -> Dict[str, object]:
+  """Times both averagings interleaved; adds the peaks measured apart."""
+  runners = {name: averaging.AveragingStep(name, num_towers, num_vars,
+                                           num_floats)
+             for name in (averaging.OURS, averaging.ORIGINAL)}
+  logging.info("average_gradients: timing %d towers x %d x %d floats",
+               num_towers, num_vars, num_floats)
+  try:
+    times, rounds_info = interleave(runners, warmup=warmup, rounds=rounds,
+                                    steps=steps, quiet_policy=quiet_policy)
+  finally:
+    for runner in runners.values():
+      runner.close()
+  measured = peaks.results()
+  result = {"num_towers": num_towers, "num_vars": num_vars,
+            "num_floats": num_floats, "peaks_by_towers": [],
+            "rounds": rounds_info}
+  for name, seconds in times.items():
+    result[name] = _step_stats(seconds)
+    result[name].update(measured[(name, num_towers)])
+    result[name]["temporary_bytes_per_variable"] = averaging.temporary_bytes(
+        name, num_towers, num_floats)
+  for n in peak_tower_counts:
+    result["peaks_by_towers"].append({
+        "num_towers": n,
+        **{name: measured[(name, n)]
+           for name in (averaging.OURS, averaging.ORIGINAL)}})
+  report.averaging_targets(result)
+  return result
+
+
+def run(*, out_dir: str, workload_names: Sequence[str],
+        tower_counts: Sequence[int], global_batches: Dict[str, int],
+        warmup: int, rounds: int, steps: int, averaging_shape: Sequence[int],
+        averaging_rounds: int, averaging_peak_towers: Sequence[int],
+        build_workload: str,
+        build_counts: Sequence[int], build_repeats: int, quick: bool,
+        max_foreign_cores: float = 0.25, quiet_wait_seconds: float = 0.0,
+        chart: bool = True) -> Dict[str, object]:
+  """Runs the benchmarks; writes and returns the results.
+
+  Args:
+    out_dir: where results.json, results.md and the chart go (created if
+      missing; files there of the same names are overwritten).
+    workload_names: keys of `workloads.WORKLOADS` to time.
+    tower_counts: the tower counts of the towers, original and mirrored
+      variants.
+    global_batches: workload name -> global batch (the same for every
+      variant and tower count).
+    warmup: untimed steps per variant.
+    rounds: interleaved rounds.
+    steps: timed steps per variant per round.
+    averaging_shape: ``(towers, variables, floats per variable)`` of the
+      average_gradients benchmark.
+    averaging_rounds: its interleaved rounds (of `steps` steps).
+    averaging_peak_towers: further tower counts at which its peak memory
+      (not its time) is measured.
+    build_workload: the model whose graph build is timed.
+    build_counts: the tower counts of the build benchmark.
+    build_repeats: builds per count.
+    quick: recorded in the results.
+    max_foreign_cores: other processes' cores above which a timed round
+      counts as disturbed.
+    quiet_wait_seconds: how long the whole run may wait for other processes
+      to go quiet before repeating a disturbed round; 0 keeps every round
+      (the cores are recorded either way).
+    chart: draw the chart when matplotlib is installed.
+
+  Returns:
+    The results, as written to results.json.
+  """
+  started = time.time()
+  report.ensure_dir(out_dir)
+  num_devices = max(list(tower_counts) + [averaging_shape[0]])
+  results = {"quick": quick, "machine": _machine(),
+             "started": datetime.datetime.now().isoformat(timespec="seconds"),
+             "load_average_start": load_average(),
+             "settings": {
+                 "tower_counts": list(tower_counts),
+                 "global_batches": dict(global_batches),
+                 "warmup_steps": warmup, "rounds": rounds,
+                 "untimed_steps_per_visit": 1,
+                 "steps_per_round": steps, "num_devices": num_devices,
+                 "max_foreign_cores": max_foreign_cores,
+                 "quiet_wait_seconds": quiet_wait_seconds,
+                 "optimizer": "Momentum(%g, %g)" % (graphs.LEARNING_RATE,
+                                                    graphs.MOMENTUM)}}
+  logging.info("Machine: %s", results["machine"])
+  logging.info("Load average at start: %s", results["load_average_start"])
+  # Start-up work that is not timed runs side by side: the MirroredStrategy
+  # workers build their models and the peak-memory processes measure, while
+  # this process builds its graphs. All of it ends before the first timed
+  # round.
+  workers = {(name, n): mirrored.MirroredWorker(
+      name, n, global_batches[name], num_devices)
+             for name in workload_names for n in tower_counts}
+  monitor = quiet.CpuMonitor(lambda: [w.pid for w in workers.values()])
+  quiet_policy = Quiet(monitor, max_foreign_cores, quiet_wait_seconds)
+  peak_tower_counts = sorted(set(averaging_peak_towers)
+                             | {averaging_shape[0]})
+  peaks = averaging.PeakMeasurements(
+      [(name, n, averaging_shape[1], averaging_shape[2])
+       for n in peak_tower_counts
+       for name in (averaging.OURS, averaging.ORIGINAL)])
+  try:
+    results["throughput"] = []
+    for name in workload_names:
+      results["throughput"].append(throughput(
+          workloads.WORKLOADS[name], global_batch=global_batches[name],
+          tower_counts=tower_counts, num_devices=num_devices,
+          workers={n: w for (wn, n), w in workers.items() if wn == name},
+          before_timing=peaks.results, quiet_policy=quiet_policy,
+          warmup=warmup, rounds=rounds, steps=steps))
+      # Done with this workload: its workers' memory is freed.
+      for (wn, _), worker in workers.items():
+        if wn == name:
+          worker.close()
+    results["mirrored_devices"] = {
+        "%s/%d" % key: w.devices for key, w in workers.items()}
+  finally:
+    for worker in workers.values():
+      worker.close()
+  results["average_gradients"] = average_gradients_result(
+      peaks, num_towers=averaging_shape[0], num_vars=averaging_shape[1],
+      num_floats=averaging_shape[2], peak_tower_counts=peak_tower_counts,
+      quiet_policy=quiet_policy, warmup=warmup, rounds=averaging_rounds,
+      steps=steps)
+  logging.info("Graph build: %s, %s towers", build_workload, build_counts)
+  if quiet_policy.wait_seconds > quiet_policy.waited:
+    quiet_policy.waited += monitor.wait_until_quiet(
+        max_foreign_cores, quiet_policy.wait_seconds - quiet_policy.waited)
+  monitor.start()
+  build = build_time.measure(workloads.WORKLOADS[build_workload],
+                             build_counts, build_repeats,
+                             global_batches.get(build_workload, 128))
+  build["foreign_cores"] = monitor.foreign_cores()
+  build["title"] = workloads.WORKLOADS[build_workload].title
+  results["quiet_waited_seconds"] = quiet_policy.waited
+  report.build_targets(build)
+  results["build"] = build
+  results["targets"] = report.summary(results)
+  results["load_average_end"] = load_average()
+  results["seconds"] = time.time() - started
+  table = report.markdown(results)
+  report.write_json(results, os.path.join(out_dir, "results.json"))
+  with open(os.path.join(out_dir, "results.md"), "w") as f:
+    f.write(table + "\n")
+  if chart:
+    path = report.chart(results, os.path.join(out_dir, "examples_per_sec.png"))
+    if path:
+      logging.info("Chart: %s", path)
+  logging.info("Done in %.0f s; load average at end: %s; results in %s",
+               results["seconds"], results["load_average_end"], out_dir)
+  print(table)
+  return results
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  if FLAGS.quick:
+    settings = dict(
+        workload_names=["mnist"], tower_counts=[1, 2],
+        global_batches={"mnist": 32, "cifar10": 32}, warmup=1, rounds=2,
+        steps=2, averaging_shape=[4, 4, 256 * 1024], averaging_rounds=2,
+        averaging_peak_towers=[],
+        build_workload="mnist", build_counts=[1, 2, 4], build_repeats=1,
+        quiet_wait_seconds=0)
+  else:
+    settings = dict(
+        workload_names=FLAGS.workloads,
+        tower_counts=[int(n) for n in FLAGS.towers],
+        global_batches={"mnist": FLAGS.mnist_batch,
+                        "cifar10": FLAGS.cifar10_batch},
+        warmup=FLAGS.warmup, rounds=FLAGS.rounds, steps=FLAGS.steps,
+        averaging_shape=[int(n) for n in FLAGS.averaging_shape],
+        averaging_rounds=FLAGS.averaging_rounds,
+        averaging_peak_towers=[int(n) for n in FLAGS.averaging_peak_towers
+                               if n],
+        build_workload="cifar10",
+        build_counts=[int(n) for n in FLAGS.build_towers],
+        build_repeats=FLAGS.build_repeats,
+        quiet_wait_seconds=60 * FLAGS.quiet_wait_minutes)
+  settings["max_foreign_cores"] = FLAGS.max_foreign_cores
+  run(out_dir=FLAGS.out, quick=FLAGS.quick, chart=FLAGS.chart, **settings)
+
+
+def define_flags():
+  flags.DEFINE_string("out", "/tmp/towers_bench", "Directory for "
+                      "results.json, results.md and the chart; created if "
+                      "missing.")
+  flags.DEFINE_boolean("quick", False, "A small run (MNIST only, tiny batch "
+                       "and sets, few steps) in under a minute; it ignores "
+                       "the size flags below.")
+  flags.DEFINE_list("workloads", ["mnist", "cifar10"], "Models to time.")
+  flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts.")
+  flags.DEFINE_integer("mnist_batch", 256, "MNIST global batch.")
+  flags.DEFINE_integer("cifar10_batch", 256, "CIFAR-10 global batch.")
+  flags.DEFINE_integer("warmup", 3, "Untimed steps per variant.")
+  flags.DEFINE_integer("rounds", 10, "Interleaved rounds.")
+  flags.DEFINE_integer("steps", 3, "Timed steps per variant per round.")
+  flags.DEFINE_list("averaging_shape", ["4", "8", str(4 * 1024 * 1024)],
+                    "Towers, variables, floats per variable of the "
+                    "average_gradients benchmark.")
+  flags.DEFINE_integer("averaging_rounds", 10, "Its interleaved rounds.")
+  flags.DEFINE_list("averaging_peak_towers", ["2", "8"], "Further tower "
+                    "counts at which only its peak memory is measured.")
+  flags.DEFINE_list("build_towers", ["1", "2", "4", "8"], "Tower counts of "
+                    "the graph build benchmark.")
+  flags.DEFINE_integer("build_repeats", 5, "Builds per tower count.")
+  flags.DEFINE_float("max_foreign_cores", 0.25, "A timed round during "
+                     "which other processes kept more cores busy than this "
+                     "is repeated once they are quiet (see "
+                     "--quiet_wait_minutes).")
+  flags.DEFINE_float("quiet_wait_minutes", 30, "The most a run waits for "
+                     "other processes in all; after that, disturbed rounds "
+                     "are kept (and counted). --quick never waits.")
+  flags.DEFINE_boolean("chart", True, "Draw the chart if matplotlib is "
+                       "installed.")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
