@@ -8,7 +8,7 @@
 Restores the latest checkpoint of a training run (any number of towers: the
 variables keep single-device names) into the single-device model, runs the
 test split exactly once (the last batch may be partial), and logs
-``precision @ 1 = 0.XXXX``, a fraction, also written as a summary to
+``precision @ 1 = 0.dddd`` (a fraction), also written as a summary to
 --eval_dir (default: the checkpoint directory's ``eval/``). Pixels are
 scaled by the same `mnist_data.normalize` as in training.
 """
