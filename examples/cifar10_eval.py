@@ -12,9 +12,9 @@ weights; the tutorial credits them with about 3% precision), runs the
 network on the central 24x24 crop of each of the first --num_examples test
 images exactly once (the last batch holds the remainder: 10,000 images, not
 the tutorial's 10,112), and logs ``precision @ 1 = 0.dddd`` (a fraction),
-also written to --eval_dir as a summary. Without --run_once it evaluates each new checkpoint
-in --checkpoint_dir, looking every --eval_interval_secs. Nothing in
---eval_dir is ever deleted (the tutorial wiped it).
+also written to --eval_dir as a summary. Without --run_once it evaluates
+each new checkpoint in --checkpoint_dir, looking every --eval_interval_secs.
+Nothing in --eval_dir is ever deleted (the tutorial wiped it).
 """
 
 import collections
