@@ -100,9 +100,7 @@ class StepLogger(tf.train.SessionRunHook):
     return self._step
 
   def after_create_session(self, session, coord):
-    # The step the run resumes from; counted locally afterwards, since a
-    # global step fetched with the train op may be read before or after it
-    # is incremented.
+    # The step the run resumes from (see after_run for how it goes on).
     self._step = int(session.run(self._global_step))
     self._start = time.time()
 
@@ -216,22 +214,22 @@ class DownloadError(OSError):
   """A data file could not be fetched or failed its hash check."""
 
 
-def sha256_of(path: str) -> str:
-  digest = hashlib.sha256()
+def _digest(path: str, algorithm: str) -> str:
+  # usedforsecurity=False: MD5 is only published for CIFAR-10, as a check
+  # against corrupt downloads, not a security measure.
+  digest = hashlib.new(algorithm, usedforsecurity=False)
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       digest.update(block)
   return digest.hexdigest()
+
+
+def sha256_of(path: str) -> str:
+  return _digest(path, "sha256")
 
 
 def md5_of(path: str) -> str:
-  # For data sets whose publishers give only an MD5 (CIFAR-10): a check
-  # against corrupt downloads, not a security measure.
-  digest = hashlib.md5(usedforsecurity=False)
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
+  return _digest(path, "md5")
 
 
 def maybe_download(urls: Sequence[str], path: str,
