@@ -10,7 +10,10 @@ of those into a clear error:
 - `wait_for_hosts` gives the parameter servers a deadline to accept a
   connection;
 - `check_same_cluster` has the chief write its cluster on parameter server
-  task 0 and every other worker compare its own against it.
+  task 0 and every other worker compare its own against it;
+- `wait_for_model` lets a worker join within a second of the chief's
+  initialization, where ``tf.train.MonitoredTrainingSession`` polls every 30
+  seconds.
 
 Example code, not part of the `towers` library.
 """
@@ -35,7 +38,7 @@ class ClusterError(ValueError):
 Task = collections.namedtuple("Task", [
     "server", "cluster", "is_chief", "worker_device", "config",
     "num_workers"])
-Task.__doc__ = """This process's place in the cluster (see `start_worker`).
+Task.__doc__ = """This process's place in the cluster (see `start_task`).
 
 Fields:
   server: its running ``tf.train.Server``; ``server.target`` is the master.
@@ -144,6 +147,9 @@ def check_same_cluster(target: str, cluster: tf.train.ClusterSpec,
       with tf.device("/job:ps/task:0"):
         written = tf.is_variable_initialized(spec)
       deadline = time.time() + timeout_secs
+      if not sess.run(written):
+        logging.info("Waiting for the chief (worker task 0) to register its "
+                     "cluster on %s", cluster.task_address("ps", 0))
       while not sess.run(written):
         if time.time() > deadline:
           raise TimeoutError(
@@ -158,6 +164,35 @@ def check_same_cluster(target: str, cluster: tf.train.ClusterSpec,
         "this worker's cluster %s differs from the chief's %s: start every "
         "task with the same --ps_hosts and --worker_hosts" % (mine, chiefs))
   logging.info("Cluster matches the chief's: %s", mine)
+
+
+def wait_for_model(target: str, config: tf.ConfigProto,
+                   timeout_secs: float = 30 * 60, poll_secs: float = 0.5
+                   ) -> None:
+  """Waits until the chief has initialized (or restored) every variable.
+
+  Call it in a worker's finished training graph, before the training session.
+  ``tf.train.MonitoredTrainingSession`` waits for the chief as well, but checks
+  only every 30 seconds: on a short or fast run the chief can be done before a
+  worker's first step. The 30-minute default is that session's own limit.
+
+  Raises:
+    TimeoutError: if some global variable is still uninitialized at the
+      deadline (the chief is not running, or is stuck).
+  """
+  uninitialized = tf.report_uninitialized_variables(tf.global_variables())
+  deadline = time.time() + timeout_secs
+  with tf.Session(target, config=config) as sess:
+    if len(sess.run(uninitialized)):
+      logging.info("Waiting for the chief (worker task 0) to initialize the "
+                   "model")
+    while len(sess.run(uninitialized)):
+      if time.time() > deadline:
+        raise TimeoutError(
+            "the chief (worker task 0) has not initialized the model after "
+            "%ds: check that it is running and look at its log"
+            % timeout_secs)
+      time.sleep(poll_secs)
 
 
 def start_task(ps_hosts: Sequence[str], worker_hosts: Sequence[str],

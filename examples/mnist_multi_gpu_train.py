@@ -293,6 +293,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     if distributed:
       session_kwargs["hooks"] = [
           g.optimizer.make_session_run_hook(task.is_chief)]
+      if not task.is_chief:
+        cluster.wait_for_model(task.server.target, config)
     return common.run_training(
         g.train_op, g.loss, g.global_step, g.summary_op, train_dir=train_dir,
         max_steps=max_steps, examples_per_step=batch_size * num_gpus,

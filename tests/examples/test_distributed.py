@@ -82,7 +82,14 @@ def test_two_workers_of_two_towers_train_synchronously(data_dir, tmp_path):
   log = Log()
   with launch_local_cluster.Cluster(
       TRAIN, 1, 2, _train_args(data_dir, train_dir, 60), out=log) as c:
-    c.start_all()
+    # The chief last, so the test does not depend on who starts faster: a
+    # worker joins within a second of the chief's initialization, where it
+    # would poll every 30 s without `cluster.wait_for_model`.
+    c.start("ps", 0)
+    c.start("worker", 1)
+    _wait(lambda: re.search(r"\[worker1\].*Waiting for the chief",
+                            log.text()), 120, "worker1 to wait for the chief")
+    c.start("worker", 0)
     code = c.wait_for_workers()
   assert code == 0, log.text()[-4000:]
   assert tf.train.load_variable(train_dir, "global_step") == 60
@@ -172,3 +179,15 @@ def test_the_cluster_flags_are_checked():
     cluster_lib.make_cluster(["a:1"], ["b:1"], "chief", 0)
   with pytest.raises(ValueError, match="--task_index=1 but --ps_hosts"):
     cluster_lib.make_cluster(["a:1"], ["b:1"], "ps", 1)
+
+
+def test_a_worker_waiting_for_a_missing_chief_is_a_clear_error():
+  server = tf.train.Server.create_local_server()
+  with tf.Graph().as_default():
+    tf.get_variable("w", [2])
+    started = time.time()
+    with pytest.raises(TimeoutError, match="has not initialized the model "
+                       "after 1s"):
+      cluster_lib.wait_for_model(server.target, tf.ConfigProto(),
+                                 timeout_secs=1)
+  assert time.time() - started < 30
