@@ -22,7 +22,7 @@ import collections
 import json
 import socket
 import time
-from typing import List, Sequence
+from typing import Callable, List, Sequence
 
 from absl import logging
 import tensorflow.compat.v1 as tf
@@ -93,31 +93,50 @@ def make_cluster(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
                                "worker": list(worker_hosts)})
 
 
+def _wait_until(done: Callable[[], bool], timeout_secs: float, waiting: str,
+                late: Callable[[], str]) -> None:
+  """Calls `done` twice a second until it is true.
+
+  Logs `waiting` once if the first call is false, and raises
+  ``TimeoutError(late())`` once `timeout_secs` have passed.
+  """
+  deadline = time.time() + timeout_secs
+  if done():
+    return
+  logging.info(waiting)
+  while not done():
+    if time.time() > deadline:
+      raise TimeoutError(late())
+    time.sleep(0.5)
+
+
+def _accepts_connections(host: str) -> bool:
+  name, _, port = host.rpartition(":")
+  try:
+    with socket.create_connection((name, int(port)), timeout=2):
+      return True
+  except OSError:
+    return False
+
+
 def wait_for_hosts(hosts: Sequence[str], timeout_secs: float) -> None:
   """Waits until every ``host:port`` accepts a TCP connection.
 
   Raises:
     TimeoutError: naming the hosts still unreachable at the deadline.
   """
-  deadline = time.time() + timeout_secs
   waiting = list(hosts)
-  while waiting:
-    still = []
-    for host in waiting:
-      name, _, port = host.rpartition(":")
-      try:
-        with socket.create_connection((name, int(port)), timeout=2):
-          pass
-      except OSError:
-        still.append(host)
-    waiting = still
-    if waiting and time.time() > deadline:
-      raise TimeoutError(
-          "cannot reach %s after %ds: start those tasks, and check that every "
-          "task has the same --ps_hosts and --worker_hosts"
-          % (", ".join(waiting), timeout_secs))
-    if waiting:
-      time.sleep(0.5)
+
+  def reached():
+    waiting[:] = [h for h in waiting if not _accepts_connections(h)]
+    return not waiting
+
+  _wait_until(
+      reached, timeout_secs,
+      "Waiting for %s to accept connections" % ", ".join(hosts),
+      lambda: "cannot reach %s after %ds: start those tasks, and check that "
+      "every task has the same --ps_hosts and --worker_hosts"
+      % (", ".join(waiting), timeout_secs))
 
 
 def check_same_cluster(target: str, cluster: tf.train.ClusterSpec,
@@ -146,18 +165,14 @@ def check_same_cluster(target: str, cluster: tf.train.ClusterSpec,
         return
       with tf.device("/job:ps/task:0"):
         written = tf.is_variable_initialized(spec)
-      deadline = time.time() + timeout_secs
-      if not sess.run(written):
-        logging.info("Waiting for the chief (worker task 0) to register its "
-                     "cluster on %s", cluster.task_address("ps", 0))
-      while not sess.run(written):
-        if time.time() > deadline:
-          raise TimeoutError(
-              "the chief (worker task 0) has not registered its cluster on %s "
-              "after %ds: start it, and give every task the same --ps_hosts "
-              "and --worker_hosts" % (cluster.task_address("ps", 0),
-                                      timeout_secs))
-        time.sleep(0.5)
+      ps0 = cluster.task_address("ps", 0)
+      _wait_until(
+          lambda: sess.run(written), timeout_secs,
+          "Waiting for the chief (worker task 0) to register its cluster on "
+          + ps0,
+          lambda: "the chief (worker task 0) has not registered its cluster "
+          "on %s after %ds: start it, and give every task the same "
+          "--ps_hosts and --worker_hosts" % (ps0, timeout_secs))
       chiefs = sess.run(spec).decode()
   if chiefs != mine:
     raise ClusterError(
@@ -167,8 +182,7 @@ def check_same_cluster(target: str, cluster: tf.train.ClusterSpec,
 
 
 def wait_for_model(target: str, config: tf.ConfigProto,
-                   timeout_secs: float = 30 * 60, poll_secs: float = 0.5
-                   ) -> None:
+                   timeout_secs: float = 30 * 60) -> None:
   """Waits until the chief has initialized (or restored) every variable.
 
   Call it in a worker's finished training graph, before the training session.
@@ -181,18 +195,13 @@ def wait_for_model(target: str, config: tf.ConfigProto,
       deadline (the chief is not running, or is stuck).
   """
   uninitialized = tf.report_uninitialized_variables(tf.global_variables())
-  deadline = time.time() + timeout_secs
   with tf.Session(target, config=config) as sess:
-    if len(sess.run(uninitialized)):
-      logging.info("Waiting for the chief (worker task 0) to initialize the "
-                   "model")
-    while len(sess.run(uninitialized)):
-      if time.time() > deadline:
-        raise TimeoutError(
-            "the chief (worker task 0) has not initialized the model after "
-            "%ds: check that it is running and look at its log"
-            % timeout_secs)
-      time.sleep(poll_secs)
+    _wait_until(
+        lambda: not len(sess.run(uninitialized)), timeout_secs,
+        "Waiting for the chief (worker task 0) to initialize the model",
+        lambda: "the chief (worker task 0) has not initialized the model "
+        "after %ds: check that it is running and look at its log"
+        % timeout_secs)
 
 
 def start_task(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
