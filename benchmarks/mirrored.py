@@ -20,21 +20,71 @@ gradients) and reduces the loss; each replica's loss is divided by the number
 of replicas, as TF2's custom-loop guide does, so the summed all-reduce is the
 mean over the global batch.
 
+Without that tf_keras (of TensorFlow's own minor version) the workers cannot
+start: `unavailable_reason` says so, with the install command, and the
+benchmark skips the MirroredStrategy rows instead of failing.
+
 Protocol: one JSON object per line, parent to worker on stdin
 (``{"steps": n}``, ``{"quit": true}``), worker to parent on its original
 stdout (``{"ready": ...}``, ``{"times": [...]}``, ``{"error": ...}``).
 """
 
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from absl import logging
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# Keras 3 (TensorFlow >= 2.16) has no track_tf1_style_variables; tf_keras does.
+LEGACY_KERAS_SINCE = (2, 16)
+
+
+def unavailable_reason(tf_version: str,
+                       tf_keras_version: Optional[str]) -> Optional[str]:
+  """Returns why the MirroredStrategy workers cannot run, or None if they can.
+
+  On TensorFlow >= 2.16 the workers need tf_keras of TensorFlow's own minor
+  version (`TF_USE_LEGACY_KERAS=1`); without it they fail at start-up with
+  "Keras cannot be imported".
+
+  Args:
+    tf_version: the installed TensorFlow's version, such as "2.21.0".
+    tf_keras_version: the installed tf_keras's version, or None if it is not
+      installed.
+
+  Returns:
+    A one-line reason with the exact install command, or None.
+  """
+  major, minor = (int(v) for v in tf_version.split(".")[:2])
+  if (major, minor) < LEGACY_KERAS_SINCE:
+    return None
+  if tf_keras_version is not None:
+    if tf_keras_version.split(".")[:2] == [str(major), str(minor)]:
+      return None
+    got = "tf_keras %s is installed" % tf_keras_version
+  else:
+    got = "tf_keras is not installed"
+  return ("MirroredStrategy skipped: on TensorFlow %s its workers need "
+          "tf_keras %d.%d (%s); install it with: pip install "
+          "\"tf_keras==%d.%d.*\"" % (tf_version, major, minor, got, major,
+                                      minor))
+
+
+def installed_unavailable_reason() -> Optional[str]:
+  """`unavailable_reason` for the TensorFlow and tf_keras installed here."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  try:
+    tf_keras_version: Optional[str] = importlib.metadata.version("tf_keras")
+  except importlib.metadata.PackageNotFoundError:
+    tf_keras_version = None
+  return unavailable_reason(tf.__version__, tf_keras_version)
 
 
 def job_key(workload: str, num_towers: int) -> str:

@@ -21,8 +21,15 @@ PEAK_MEMORY_RATIO = 0.80
 # gradients, timed inside one build, so machine drift between builds does
 # not enter).
 BUILD_TOWER_GROWTH = 1.25
+# The process peak (resident memory) must see at least this share of the
+# tensors the step allocates at once; below it, resident memory does not
+# follow the tensors on this machine, and the measure is unavailable.
+PROCESS_VISIBLE_FRACTION = 0.5
 
 MIB = float(1 << 20)
+QUICK_NOTE = ("Quick run (--quick): a few steps on tiny batches, to check that "
+              "everything runs; these numbers are not measurements. quick "
+              "run: no verdicts.")
 
 
 def _target(name: str, met: bool, detail: str) -> Dict[str, object]:
@@ -82,23 +89,66 @@ def throughput_targets(rows: List[Dict[str, object]]) -> None:
           _ratio_detail(speedup, ratio_interval(row, rival), 1.0)))
 
 
+def process_unavailable(measured: Dict[str, object]) -> Optional[str]:
+  """Returns why one step's process peak is no measurement, or None.
+
+  The process peak (resident set size) can only be trusted where it sees the
+  step's tensors: where it reads far less than the tensors TensorFlow
+  recorded alive at once, resident memory does not follow them on this
+  machine (a sandboxed or unusual kernel), and any ratio of it is noise.
+  """
+  if not measured.get("rss_peak_reset", True):
+    return ("the kernel refused to reset the peak resident size "
+            "(/proc/self/clear_refs)")
+  rss, tensors = measured["rss_peak_extra_bytes"], measured["tensor_peak_bytes"]
+  if rss < PROCESS_VISIBLE_FRACTION * tensors:
+    return ("a process peak of %.2f MiB for a step whose tensors peak at "
+            "%.2f MiB: resident memory does not show the step's tensors"
+            % (rss / MIB, tensors / MIB))
+  return None
+
+
+def process_measure(result: Dict[str, object]) -> None:
+  """Decides whether the averaging's process peaks are measurements.
+
+  Sets ``result["process_unavailable"]``: None where every measured step's
+  process peak sees its tensors (`process_unavailable`), else why not; then
+  the process column is reported as unavailable and gives no verdict.
+  """
+  steps = [result["towers"], result["original"]]
+  for peak in result["peaks_by_towers"]:
+    steps += [peak["towers"], peak["original"]]
+  reasons = [r for r in map(process_unavailable, steps) if r]
+  result["process_unavailable"] = reasons[0] if reasons else None
+
+
 def averaging_targets(result: Dict[str, object]) -> None:
-  """Adds the averaging targets to `result` in place."""
+  """Adds the averaging targets to `result` in place.
+
+  The peak memory verdict comes from the tensors, and from the process too
+  where that measure is available (`process_measure`).
+  """
   ours, theirs = result["towers"], result["original"]
   time_ratio = ours["median_step_sec"] / theirs["median_step_sec"]
   tensor_ratio = ours["tensor_peak_bytes"] / theirs["tensor_peak_bytes"]
-  rss_ratio = (ours["rss_peak_extra_bytes"] / theirs["rss_peak_extra_bytes"]
-               if theirs["rss_peak_extra_bytes"] else float("nan"))
   result["time_ratio"] = time_ratio
   result["tensor_peak_ratio"] = tensor_ratio
+  if result.get("process_unavailable"):
+    rss_ratio = None
+    memory_met = tensor_ratio <= PEAK_MEMORY_RATIO
+    detail = "tensors %.2fx; process: unavailable on this machine (%s)" % (
+        tensor_ratio, result["process_unavailable"])
+  else:
+    rss_ratio = ours["rss_peak_extra_bytes"] / theirs["rss_peak_extra_bytes"]
+    memory_met = (tensor_ratio <= PEAK_MEMORY_RATIO
+                  and rss_ratio <= PEAK_MEMORY_RATIO)
+    detail = "tensors %.2fx, process %.2fx" % (tensor_ratio, rss_ratio)
   result["rss_peak_ratio"] = rss_ratio
   result["targets"] = [
       _target("time <= original's", time_ratio <= 1.0,
               "%.2fx the original's" % time_ratio),
       _target("peak memory <= %.2fx original's" % PEAK_MEMORY_RATIO,
-              tensor_ratio <= PEAK_MEMORY_RATIO
-              and rss_ratio <= PEAK_MEMORY_RATIO,
-              "tensors %.2fx, process %.2fx" % (tensor_ratio, rss_ratio)),
+              memory_met, detail),
   ]
 
 
@@ -114,6 +164,34 @@ def build_targets(result: Dict[str, object]) -> None:
          result["ops_spread"]))]
 
 
+def add_targets(results: Dict[str, object]) -> None:
+  """Gives every target its verdict, or none in a quick run.
+
+  A quick run's few steps on tiny batches are not measurements, so it gets
+  no verdicts: every ``targets`` list stays empty.
+  """
+  quick = results.get("quick")
+  for workload in results["throughput"]:
+    if quick:
+      for row in workload["rows"]:
+        row["targets"] = []
+    else:
+      throughput_targets(workload["rows"])
+  averaging = results.get("average_gradients")
+  if averaging:
+    if quick:
+      averaging["targets"] = []
+    else:
+      averaging_targets(averaging)
+  build = results.get("build")
+  if build:
+    if quick:
+      build["targets"] = []
+    else:
+      build_targets(build)
+  results["targets"] = summary(results)
+
+
 def _met(targets: List[Dict[str, object]]) -> str:
   if not targets:
     return "-"
@@ -122,44 +200,82 @@ def _met(targets: List[Dict[str, object]]) -> str:
                                     t["detail"]) for t in targets)
 
 
+def _targets_line(results: Dict[str, object],
+                  targets: List[Dict[str, object]]) -> str:
+  if results.get("quick"):
+    return "Targets: quick run: no verdicts."
+  return "Targets: " + _met(targets)
+
+
+def _process_mib(row: Dict[str, object], unavailable: Optional[str]) -> str:
+  if unavailable:
+    return "unavailable"
+  return "%.0f" % (row["rss_peak_extra_bytes"] / MIB)
+
+
 def markdown(results: Dict[str, object]) -> str:
-  """Returns the results as markdown tables."""
+  """Returns the results as markdown tables.
+
+  A quick run says so first, and its throughput tables have no targets
+  column.
+  """
+  quick = results.get("quick")
   lines = []
+  if quick:
+    lines += ["**%s**" % QUICK_NOTE, ""]
   for workload in results["throughput"]:
-    lines += ["### %s, global batch %d" % (workload["title"],
-                                          workload["global_batch"]), "",
-              "| variant | towers | examples/sec | x plain | step ms "
-              "(median [q1, q3]) | targets |",
-              "|---|---:|---:|---:|---:|---|"]
+    lines += ["### %s, global batch %d%s" % (
+        workload["title"], workload["global_batch"],
+        " (quick run)" if quick else ""), ""]
+    if quick:
+      lines += ["| variant | towers | examples/sec | x plain | step ms "
+                "(median [q1, q3]) |", "|---|---:|---:|---:|---:|"]
+    else:
+      lines += ["| variant | towers | examples/sec | x plain | step ms "
+                "(median [q1, q3]) | targets |",
+                "|---|---:|---:|---:|---:|---|"]
     for row in workload["rows"]:
-      lines.append("| %s | %d | %.1f | %.3f | %.1f [%.1f, %.1f] | %s |" % (
+      line = "| %s | %d | %.1f | %.3f | %.1f [%.1f, %.1f] |" % (
           row["variant"], row["num_towers"], row["examples_per_sec"],
           row["ratio_to_plain"], 1e3 * row["median_step_sec"],
-          1e3 * row["q1_step_sec"], 1e3 * row["q3_step_sec"],
-          _met(row["targets"])))
-    lines += ["", "Other processes during the kept rounds: %s; rounds "
+          1e3 * row["q1_step_sec"], 1e3 * row["q3_step_sec"])
+      if not quick:
+        line += " %s |" % _met(row["targets"])
+      lines.append(line)
+    lines += [""]
+    if results.get("mirrored_skipped"):
+      lines += [results["mirrored_skipped"], ""]
+    if quick:
+      lines += [_targets_line(results, []), ""]
+    lines += ["Other processes during the kept rounds: %s; rounds "
               "repeated: %d." % (quiet.describe(
                   workload["rounds"]["foreign_cores"]),
                                  workload["rounds"]["repeated_rounds"]), ""]
   averaging = results.get("average_gradients")
   if averaging:
+    unavailable = averaging.get("process_unavailable")
     lines += ["### average_gradients alone: %d towers x %d variables x "
-              "%d floats (%.0f MiB per tower)" % (
+              "%d floats (%.0f MiB per tower)%s" % (
                   averaging["num_towers"], averaging["num_vars"],
                   averaging["num_floats"],
-                  averaging["num_vars"] * averaging["num_floats"] * 4 / MIB),
+                  averaging["num_vars"] * averaging["num_floats"] * 4 / MIB,
+                  " (quick run)" if quick else ""),
               "",
               "| averaging | step ms (median [q1, q3]) | peak tensors MiB | "
               "peak process MiB | allocated MiB |",
               "|---|---:|---:|---:|---:|"]
     for name in ("towers", "original"):
       row = averaging[name]
-      lines.append("| %s | %.1f [%.1f, %.1f] | %.0f | %.0f | %.0f |" % (
+      lines.append("| %s | %.1f [%.1f, %.1f] | %.0f | %s | %.0f |" % (
           name, 1e3 * row["median_step_sec"], 1e3 * row["q1_step_sec"],
           1e3 * row["q3_step_sec"], row["tensor_peak_bytes"] / MIB,
-          row["rss_peak_extra_bytes"] / MIB,
+          _process_mib(row, unavailable),
           row["tensor_allocated_bytes"] / MIB))
-    lines += ["", "Targets: " + _met(averaging["targets"]), ""]
+    lines += [""]
+    if unavailable:
+      lines += ["Peak process memory: unavailable on this machine (%s); no "
+                "verdict comes from it." % unavailable, ""]
+    lines += [_targets_line(results, averaging["targets"]), ""]
     if len(averaging["peaks_by_towers"]) > 1:
       lines += ["Peak memory against the number of towers (same variables):",
                 "", "| towers | towers peak MiB (tensors, process) | "
@@ -168,19 +284,20 @@ def markdown(results: Dict[str, object]) -> str:
                 "|---:|---:|---:|---:|---:|"]
       for peak in averaging["peaks_by_towers"]:
         ours, theirs = peak["towers"], peak["original"]
-        lines.append("| %d | %.0f, %.0f | %.0f, %.0f | %.2f | %.0f, %.0f |" % (
+        lines.append("| %d | %.0f, %s | %.0f, %s | %.2f | %.0f, %.0f |" % (
             peak["num_towers"], ours["tensor_peak_bytes"] / MIB,
-            ours["rss_peak_extra_bytes"] / MIB,
+            _process_mib(ours, unavailable),
             theirs["tensor_peak_bytes"] / MIB,
-            theirs["rss_peak_extra_bytes"] / MIB,
+            _process_mib(theirs, unavailable),
             ours["tensor_peak_bytes"] / theirs["tensor_peak_bytes"],
             ours["tensor_allocated_bytes"] / MIB,
             theirs["tensor_allocated_bytes"] / MIB))
       lines.append("")
   build = results.get("build")
   if build:
-    lines += ["### Graph build (towers.minimize, %s), median of %d" % (
-        build["title"], build["repeats"]), "",
+    lines += ["### Graph build (towers.minimize, %s), median of %d%s" % (
+        build["title"], build["repeats"], " (quick run)" if quick else ""),
+              "",
               "| towers | build s | ops | ops per tower | s per tower, "
               "tower 0 to n-2 |",
               "|---:|---:|---:|---:|---|"]
@@ -195,7 +312,7 @@ def markdown(results: Dict[str, object]) -> str:
       lines.append("| %d -> %d | %.3f | %.1f |" % (
           inc["from_towers"], inc["to_towers"], inc["seconds_per_tower"],
           inc["ops_per_tower"]))
-    lines += ["", "Targets: " + _met(build["targets"]), ""]
+    lines += ["", _targets_line(results, build["targets"]), ""]
   return "\n".join(lines)
 
 
@@ -244,9 +361,12 @@ def chart(results: Dict[str, object], path: str) -> Optional[str]:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("towers (global batch %d)" % workload["global_batch"])
     ax.set_ylabel("examples/sec")
-    ax.set_title(workload["title"])
+    ax.set_title(workload["title"]
+                 + (" (quick run)" if results.get("quick") else ""))
     ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize="small", loc="lower left")
+  if results.get("quick"):
+    figure.suptitle("Quick run (--quick): not measurements", fontsize="small")
   figure.tight_layout()
   figure.savefig(path, dpi=90)
   pyplot.close(figure)

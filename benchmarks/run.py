@@ -1,7 +1,7 @@
 """Runs every benchmark once: a markdown table, a JSON file and a chart.
 
-  python -m benchmarks.run --out=/tmp/towers_bench
-  python -m benchmarks.run --quick --out=/tmp/towers_bench_quick
+  python -m benchmarks.run                # results in /tmp/towers_bench
+  python -m benchmarks.run --quick        # results in /tmp/towers_bench_quick
 
 In one run, on the same devices (GPUs when there are enough, else virtual CPU
 devices) and the same global batch, it times training steps of the MNIST and
@@ -12,7 +12,8 @@ CIFAR-10 CNNs on synthetic in-memory batches as
   variables on ``/cpu:0``, and with ``variable_device="balanced"``;
 - original: the same towers averaged the original tutorial's way;
 - mirrored: TF2's ``tf.distribute.MirroredStrategy`` with a ``tf.function``
-  step, each strategy in a worker process of its own;
+  step, each strategy in a worker process of its own (skipped, with the
+  install command, where tf_keras is missing on TensorFlow >= 2.16);
 
 then `towers.average_gradients` alone against the original's on a large
 gradient set (time and peak memory), and the graph build time and op count
@@ -24,7 +25,9 @@ busy is repeated once they are quiet (within --quiet_wait_minutes); the
 cores they used are recorded per round. Results go to ``--out``:
 results.json, results.md and
 examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
-``--quick`` runs a small version in under a minute. See docs/performance.md.
+``--quick`` runs a small version in under a minute, to check that everything
+runs: its results (in their own default directory) say they are a quick run,
+and it gives no verdicts on the targets. See docs/performance.md.
 """
 
 import datetime
@@ -33,7 +36,7 @@ import platform
 import random
 import statistics
 import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import app
 from absl import flags
@@ -215,7 +218,6 @@ def throughput(workload: workloads.Workload, *, global_batch: int,
     row["ratio_to_plain"] = row["examples_per_sec"] / plain["examples_per_sec"]
   order = {v: i for i, v in enumerate(graphs.VARIANTS)}
   rows.sort(key=lambda r: (order[r["variant"]], r["num_towers"]))
-  report.throughput_targets(rows)
   return {"workload": workload.name, "title": workload.title,
           "global_batch": global_batch, "rows": rows, "rounds": rounds_info}
 
@@ -251,7 +253,7 @@ def average_gradients_result(peaks: averaging.PeakMeasurements, *,
         "num_towers": n,
         **{name: measured[(name, n)]
            for name in (averaging.OURS, averaging.ORIGINAL)}})
-  report.averaging_targets(result)
+  report.process_measure(result)
   return result
 
 
@@ -261,6 +263,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         averaging_rounds: int, averaging_peak_towers: Sequence[int],
         build_workload: str,
         build_counts: Sequence[int], build_repeats: int, quick: bool,
+        mirrored_skipped: Optional[str] = None,
         max_foreign_cores: float = 0.25, quiet_wait_seconds: float = 0.0,
         chart: bool = True) -> Dict[str, object]:
   """Runs the benchmarks; writes and returns the results.
@@ -284,7 +287,11 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     build_workload: the model whose graph build is timed.
     build_counts: the tower counts of the build benchmark.
     build_repeats: builds per count.
-    quick: recorded in the results.
+    quick: a quick run: recorded in the results, said in the tables and
+      the chart, and no target gets a verdict (a few steps on tiny batches
+      are not measurements).
+    mirrored_skipped: why the MirroredStrategy rows cannot run here
+      (`mirrored.installed_unavailable_reason`), or None to run them.
     max_foreign_cores: other processes' cores above which a timed round
       counts as disturbed.
     quiet_wait_seconds: how long the whole run may wait for other processes
@@ -298,7 +305,8 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   started = time.time()
   report.ensure_dir(out_dir)
   num_devices = max(list(tower_counts) + [averaging_shape[0]])
-  results = {"quick": quick, "machine": _machine(),
+  results = {"quick": quick, "mirrored_skipped": mirrored_skipped,
+             "machine": _machine(),
              "started": datetime.datetime.now().isoformat(timespec="seconds"),
              "load_average_start": load_average(),
              "settings": {
@@ -317,9 +325,12 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   # workers build their models and the peak-memory processes measure, while
   # this process builds its graphs. All of it ends before the first timed
   # round.
+  if mirrored_skipped:
+    logging.warning("%s", mirrored_skipped)
   workers = {(name, n): mirrored.MirroredWorker(
       name, n, global_batches[name], num_devices)
-             for name in workload_names for n in tower_counts}
+             for name in workload_names for n in tower_counts
+             if not mirrored_skipped}
   monitor = quiet.CpuMonitor(lambda: [w.pid for w in workers.values()])
   quiet_policy = Quiet(monitor, max_foreign_cores, quiet_wait_seconds)
   peak_tower_counts = sorted(set(averaging_peak_towers)
@@ -362,9 +373,8 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   build["foreign_cores"] = monitor.foreign_cores()
   build["title"] = workloads.WORKLOADS[build_workload].title
   results["quiet_waited_seconds"] = quiet_policy.waited
-  report.build_targets(build)
   results["build"] = build
-  results["targets"] = report.summary(results)
+  report.add_targets(results)
   results["load_average_end"] = load_average()
   results["seconds"] = time.time() - started
   table = report.markdown(results)
@@ -408,16 +418,31 @@ def main(argv):
         build_repeats=FLAGS.build_repeats,
         quiet_wait_seconds=60 * FLAGS.quiet_wait_minutes)
   settings["max_foreign_cores"] = FLAGS.max_foreign_cores
-  run(out_dir=FLAGS.out, quick=FLAGS.quick, chart=FLAGS.chart, **settings)
+  run(out_dir=default_out(FLAGS.out, FLAGS.quick), quick=FLAGS.quick,
+      mirrored_skipped=mirrored.installed_unavailable_reason(),
+      chart=FLAGS.chart, **settings)
+
+
+def default_out(out: str, quick: bool) -> str:
+  """Returns --out, or the default directory of a full or a quick run.
+
+  A quick run has a directory of its own, so that it never overwrites the
+  results of a full run.
+  """
+  if out:
+    return out
+  return "/tmp/towers_bench_quick" if quick else "/tmp/towers_bench"
 
 
 def define_flags():
-  flags.DEFINE_string("out", "/tmp/towers_bench", "Directory for "
-                      "results.json, results.md and the chart; created if "
-                      "missing.")
+  flags.DEFINE_string("out", "", "Directory for results.json, results.md "
+                      "and the chart; created if missing. Default: "
+                      "/tmp/towers_bench, or /tmp/towers_bench_quick with "
+                      "--quick.")
   flags.DEFINE_boolean("quick", False, "A small run (MNIST only, tiny batch "
-                       "and sets, few steps) in under a minute; it ignores "
-                       "the size flags below.")
+                       "and sets, few steps) in under a minute, to check "
+                       "that everything runs: no verdicts on the targets. "
+                       "It ignores the size flags below.")
   flags.DEFINE_list("workloads", ["mnist", "cifar10"], "Models to time.")
   flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts.")
   flags.DEFINE_integer("mnist_batch", 256, "MNIST global batch.")
