@@ -30,14 +30,16 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={
-        "tf": ["tensorflow>=2.12,<2.22"],
+        # tensorboard: TensorFlow <= 2.20 brings the matching version, 2.21
+        # no longer does; the range matches the TensorFlow range, and each of
+        # TensorFlow 2.12-2.20 pins its own minor version.
+        "tf": ["tensorflow>=2.12,<2.22", "tensorboard>=2.12,<2.22"],
         "test": ["pytest>=7"],
         "bench": ["matplotlib"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",
-        "License :: OSI Approved :: Apache Software License",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    license="Apache-2.0",
+    license_expression="Apache-2.0",
 )
