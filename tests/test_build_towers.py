@@ -5,7 +5,8 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
-from models import batch, devices, model_fn, session
+from models import batch, devices, loss_fn, model_fn, reference_gradients
+from models import session
 
 
 def _build(num=2, **kwargs):
@@ -270,3 +271,76 @@ def test_the_global_batch_is_split_where_it_lives():
         devices=devices(2))
     splits = [op for op in g.get_operations() if op.type.startswith("Split")]
     assert splits and all(op.device == "/device:CPU:3" for op in splits)
+
+
+def test_op_scopes_inside_a_callers_variable_scope_are_not_doubled():
+  with tf.Graph().as_default() as g:
+    with tf.variable_scope("model"):
+      t = _build(2)
+    assert t.scopes == ["model/tower_0/", "model/tower_1/"]
+    assert sorted(v.op.name for v in tf.trainable_variables()) == [
+        "model/hidden/b", "model/hidden/w", "model/logits/b", "model/logits/w"]
+    assert not [op.name for op in g.get_operations()
+                if op.name.startswith("model/model/")]
+
+
+def test_tower_local_variables_stay_on_their_tower_device():
+  with tf.Graph().as_default():
+    counters = []
+
+    def model(scope, x):
+      v = tf.get_variable("v", [3], initializer=tf.ones_initializer())
+      seen = tf.Variable(tf.zeros([], tf.int64), trainable=False,
+                         collections=[tf.GraphKeys.LOCAL_VARIABLES],
+                         name="seen")
+      mean, _ = tf.metrics.mean(x)
+      counters.append((seen, mean))
+      return tf.reduce_sum(x * v)
+
+    towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 2,
+                        inputs=tf.ones([4, 3]), devices=["/cpu:1", "/cpu:2"])
+    assert tf.trainable_variables()[0].op.device == "/device:CPU:0"
+    for i, (seen, _) in enumerate(counters):
+      assert seen.op.name == "tower_%d/seen" % i
+      assert seen.op.device == "/device:CPU:%d" % (i + 1)
+    metric_devices = sorted(v.op.device for v in tf.local_variables()
+                            if "mean/" in v.op.name)
+    assert metric_devices == ["/device:CPU:1"] * 2 + ["/device:CPU:2"] * 2
+
+
+@pytest.mark.parametrize("num", [1, 2, 3])
+def test_dict_and_nested_inputs_are_split_and_passed_as_they_came(num):
+  x, y = batch(9)
+  _, want = reference_gradients(x, y)
+  with tf.Graph().as_default() as g:
+    seen = []
+
+    def model(scope, features, extra):
+      seen.append((sorted(features), type(extra).__name__))
+      return loss_fn(features["x"], extra[0]["labels"])
+
+    inputs = ({"x": tf.constant(x), "unused": tf.zeros([9, 2])},
+              [{"labels": tf.constant(y)}])
+    t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1),
+                            num, inputs=inputs, devices=devices(num))
+    assert seen == [(["unused", "x"], "list")] * num
+    averaged = towers.average_gradients(t.tower_grads, t.weights)
+    with session(g) as sess:
+      sess.run(tf.global_variables_initializer())
+      got = sess.run({v.op.name: grad for grad, v in averaged})
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_dict_input_is_one_argument():
+  with tf.Graph().as_default():
+    seen = []
+
+    def model(scope, *args):
+      seen.append([sorted(a) for a in args])
+      v = tf.get_variable("v", [3], initializer=tf.ones_initializer())
+      return tf.reduce_sum(args[0]["x"] * v)
+
+    towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 2,
+                        inputs={"x": tf.ones([4, 3])}, devices=devices(2))
+    assert seen == [[["x"]], [["x"]]]

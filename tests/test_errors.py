@@ -5,7 +5,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
-from models import batch, devices, model_fn
+from models import batch, devices, model_fn, session
 
 
 def _sgd():
@@ -218,3 +218,50 @@ def test_device_helpers_check_their_count(helper):
     helper(0)
   with pytest.raises(TypeError, match="positive int"):
     helper(1.5)
+
+
+@pytest.mark.parametrize("num_gpus", [np.int64(2), np.int32(2), np.uint8(2)])
+def test_numpy_integer_tower_counts_are_accepted(num_gpus):
+  with tf.Graph().as_default():
+    t = towers.build_towers(model_fn(), _sgd(), num_gpus,
+                            inputs=_constant_batch(), devices=devices(2))
+    assert len(t.losses) == 2
+    assert len(towers.tower_devices(num_gpus)) == 2
+
+
+def test_numpy_bools_and_floats_are_refused_as_tower_counts():
+  with tf.Graph().as_default():
+    for bad in (np.bool_(True), np.float64(2.0)):
+      with pytest.raises(TypeError, match="num_gpus to be a positive int"):
+        towers.build_towers(model_fn(), _sgd(), bad)
+
+
+def test_eager_execution_names_the_call_that_turns_it_off():
+  if not tf.executing_eagerly():
+    pytest.skip("eager execution is off in this run (--ref-variables)")
+  with pytest.raises(RuntimeError, match=r"eager execution is on.*"
+                     r"tf.compat.v1.disable_eager_execution\(\)"):
+    towers.build_towers(lambda scope: tf.constant(1.0), _sgd(), 1,
+                        devices=devices(1))
+
+
+def test_a_loss_of_unknown_rank_that_is_not_a_scalar_gets_the_hint():
+  with tf.Graph().as_default() as g:
+    values = tf.placeholder(tf.float32, shape=None)
+
+    def model(scope):
+      return tf.reduce_sum(_var()) * values
+
+    t = towers.build_towers(model, _sgd(), 2, devices=devices(2))
+    with session(g, 2) as sess:
+      sess.run(tf.global_variables_initializer())
+      assert sess.run(t.loss, {values: 2.0}) == pytest.approx(4.0)
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match=r"scalar loss in tower_\d; did you forget "
+                         r"tf.reduce_mean"):
+        sess.run(t.loss, {values: [1.0, 2.0, 3.0]})
+
+
+def _constant_batch():
+  x, y = batch(8)
+  return tf.constant(x), tf.constant(y)

@@ -157,3 +157,31 @@ def test_minimize_reduces_on_the_average_device_when_given():
       first = sess.run(t.loss)
       sess.run(train_op)
       assert sess.run(t.loss) < first
+
+
+def test_clip_norm_works_for_a_mix_of_float_dtypes():
+  # tf.clip_by_global_norm stacks the norms: float16 with float32 fails.
+  with tf.Graph().as_default() as g:
+    made = {}
+
+    def model(scope):
+      made["half"] = tf.get_variable("half", [2], tf.float16,
+                                     initializer=tf.zeros_initializer())
+      made["full"] = tf.get_variable("full", initializer=np.zeros(
+          2, np.float32))
+      return (tf.reduce_sum(tf.cast(made["half"] * np.float16(30.0),
+                                    tf.float32)) +
+              tf.reduce_sum(made["full"] * [0.0, 40.0]))
+
+    train_op, _ = towers.minimize(model, tf.train.GradientDescentOptimizer(
+        1.0), 2, devices=devices(2), clip_norm=5.0)
+    with session(g, 2) as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(train_op)
+      half, full = sess.run([made["half"], made["full"]])
+  # Gradients [30, 30] and [0, 40] have the global norm sqrt(3400): each is
+  # scaled by 5 / sqrt(3400) in its own dtype.
+  scale = 5.0 / np.sqrt(3400.0)
+  assert half.dtype == np.float16 and full.dtype == np.float32
+  np.testing.assert_allclose(half, [-30 * scale] * 2, rtol=1e-3)
+  np.testing.assert_allclose(full, [0.0, -40 * scale], rtol=1e-6)

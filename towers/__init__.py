@@ -4,6 +4,7 @@ from towers._devices import tower_devices
 from towers._devices import virtual_cpu_config
 from towers._gradients import average_gradients
 from towers._gradients import GradsAndVars
+from towers._infer import infer
 from towers._replicate import build_towers
 from towers._replicate import Towers
 from towers._train import minimize
@@ -15,6 +16,7 @@ __all__ = [
     "Towers",
     "average_gradients",
     "build_towers",
+    "infer",
     "minimize",
     "tower_devices",
     "virtual_cpu_config",

@@ -1,15 +1,28 @@
 """Devices for machines with fewer GPUs than towers: virtual CPU devices."""
 
+import operator
 from typing import List, Optional
 
+import numpy as np
 import tensorflow.compat.v1 as tf
 
 
-def check_count(name: str, value: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, int):
+def check_count(name: str, value: int) -> int:
+  """Returns `value` as an int if it is a positive integer (NumPy's too).
+
+  Bools and floats are refused even where they equal an integer: ``True``
+  towers or ``2.0`` towers is a mistake, not a count.
+  """
+  if isinstance(value, (bool, np.bool_)):
     raise TypeError("expected %s to be a positive int, got %r" % (name, value))
-  if value < 1:
-    raise ValueError("expected %s to be a positive int, got %d" % (name, value))
+  try:
+    count = operator.index(value)
+  except TypeError:
+    raise TypeError("expected %s to be a positive int, got %r"
+                    % (name, value)) from None
+  if count < 1:
+    raise ValueError("expected %s to be a positive int, got %d" % (name, count))
+  return count
 
 
 def virtual_cpu_config(num_cpus: int, **config_kwargs) -> tf.ConfigProto:
@@ -31,7 +44,7 @@ def virtual_cpu_config(num_cpus: int, **config_kwargs) -> tf.ConfigProto:
   Raises:
     TypeError, ValueError: if `num_cpus` is not a positive int.
   """
-  check_count("num_cpus", num_cpus)
+  num_cpus = check_count("num_cpus", num_cpus)
   config_kwargs.setdefault("allow_soft_placement", True)
   return tf.ConfigProto(device_count={"CPU": num_cpus}, **config_kwargs)
 
@@ -56,7 +69,7 @@ def tower_devices(num_towers: int, *, task: Optional[str] = None
   Raises:
     TypeError, ValueError: if `num_towers` is not a positive int.
   """
-  check_count("num_towers", num_towers)
+  num_towers = check_count("num_towers", num_towers)
   gpus = tf.config.list_physical_devices("GPU")
   kind = "gpu" if len(gpus) >= num_towers else "cpu"
   prefix = (task or "").rstrip("/")

@@ -1,15 +1,21 @@
 """Feeding the towers: split one global batch, or let each tower dequeue."""
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import tensorflow.compat.v1 as tf
 
-Inputs = Union[None, tf.Tensor, Sequence[tf.Tensor], Callable[[], object]]
+# A tensor, a nested structure of tensors, a callable returning one, or None.
+Inputs = Union[None, tf.Tensor, Sequence[object], Dict[str, object],
+               Callable[[], object]]
 Weight = Union[float, tf.Tensor]
 
 
 def as_args(batch) -> List[object]:
-  """Returns the positional arguments `model_fn` gets after its scope."""
+  """Returns the positional arguments `model_fn` gets after its scope.
+
+  A tuple or list is spread into arguments; anything else (a tensor, a dict)
+  is one argument, passed as it came.
+  """
   if batch is None:
     return []
   if isinstance(batch, (tuple, list)):
@@ -17,44 +23,46 @@ def as_args(batch) -> List[object]:
   return [batch]
 
 
-def split_inputs(inputs: Union[tf.Tensor, Sequence[tf.Tensor]],
-                 num_shards: int) -> Tuple[List[List[tf.Tensor]],
-                                           List[Weight]]:
-  """Splits tensors along axis 0 into `num_shards` nearly equal shards.
+def split_inputs(inputs, num_shards: int, *, allow_empty: bool = False
+                ) -> Tuple[List[object], List[Weight]]:
+  """Splits every tensor of `inputs` along axis 0 into `num_shards` shards.
 
   Shard sizes differ by at most one, the larger ones first. The split runs
   next to each input (on the input pipeline's device), so each tower copies
   only its own shard.
 
   Args:
-    inputs: a tensor or a list/tuple of tensors sharing the batch size on
-      axis 0 (which may be unknown until run time).
+    inputs: a tensor, or a nested structure of tensors (tuples, lists,
+      dicts, namedtuples: what a ``tf.data`` pipeline of features yields),
+      all sharing the batch size on axis 0 (which may be unknown until run
+      time).
     num_shards: the number of towers.
+    allow_empty: whether a batch smaller than `num_shards` may leave some
+      shards empty (inference); training needs an example in every tower.
 
   Returns:
-    ``[num_shards][num_inputs]`` tensors, and ``[num_shards]`` shares of the
-    global batch: Python floats when the batch size is static, else scalar
-    float32 tensors.
+    ``[num_shards]`` shards, each the structure of `inputs` holding that
+    shard's tensors, and ``[num_shards]`` shares of the global batch: Python
+    floats when the batch size is static, else scalar float32 tensors.
 
   Raises:
     TypeError: if an input is not a tensor.
-    ValueError: if the inputs have no batch axis, disagree on a static batch
-      size, or have a static batch smaller than `num_shards`. A dynamic batch
-      smaller than `num_shards` fails at run time with
-      ``tf.errors.InvalidArgumentError``.
+    ValueError: if the inputs are empty, have no batch axis, disagree on a
+      static batch size, or (unless `allow_empty`) have a static batch
+      smaller than `num_shards`. A dynamic batch too small fails at run time
+      with ``tf.errors.InvalidArgumentError``.
   """
-  single = not isinstance(inputs, (tuple, list))
-  tensors = [inputs] if single else list(inputs)
+  tensors = tf.nest.flatten(inputs)
   if not tensors:
     raise ValueError("expected inputs to hold at least one tensor, got an "
                      "empty %s" % type(inputs).__name__)
   for i, t in enumerate(tensors):
     if not isinstance(t, tf.Tensor):
       raise TypeError(
-          "expected inputs to be a tensor, a list/tuple of tensors with the "
-          "global batch on axis 0, or a callable; got %r at position %d; "
-          "wrap NumPy data with tf.constant or feed a tf.placeholder"
-          % (t, i))
+          "expected inputs to be a tensor, a nested structure (tuple, list, "
+          "dict) of tensors with the global batch on axis 0, or a callable; "
+          "got %r at position %d; wrap NumPy data with tf.constant or feed a "
+          "tf.placeholder" % (t, i))
     if t.shape.rank == 0:
       raise ValueError("input %d (%s) is a scalar; inputs need the global "
                        "batch on axis 0" % (i, t.name))
@@ -62,40 +70,43 @@ def split_inputs(inputs: Union[tf.Tensor, Sequence[tf.Tensor]],
             for t in tensors]
   with tf.name_scope("split_inputs"):
     if all(s is not None for s in static):
-      sizes, weights = _static_sizes(tensors, static, num_shards)
+      sizes, weights = _static_sizes(tensors, static, num_shards, allow_empty)
     else:
-      sizes, weights = _dynamic_sizes(tensors, num_shards)
+      sizes, weights = _dynamic_sizes(tensors, num_shards, allow_empty)
     shards = []
     for t in tensors:
       with tf.device(t.device):
         shards.append(tf.split(t, sizes, num=num_shards, axis=0))
-  return [list(s) for s in zip(*shards)], weights
+  return [tf.nest.pack_sequence_as(inputs, list(s)) for s in zip(*shards)], \
+      weights
 
 
-def _static_sizes(tensors, static, num_shards):
+def _static_sizes(tensors, static, num_shards, allow_empty):
   if len(set(static)) > 1:
     raise ValueError(
         "inputs disagree on the global batch size (axis 0): %s; every input "
         "must hold the same examples"
         % ", ".join("%s has %d" % (t.name, s) for t, s in zip(tensors, static)))
   batch = static[0]
-  if batch < num_shards:
+  if batch < num_shards and not allow_empty:
     raise ValueError(
         "the global batch of %d examples is smaller than num_gpus=%d: every "
         "tower needs at least one example; raise the batch size or use fewer "
         "towers" % (batch, num_shards))
   base, extra = divmod(batch, num_shards)
   sizes = [base + (1 if i < extra else 0) for i in range(num_shards)]
-  return sizes, [s / batch for s in sizes]
+  return sizes, [s / batch if batch else 0.0 for s in sizes]
 
 
-def _dynamic_sizes(tensors, num_shards):
+def _dynamic_sizes(tensors, num_shards, allow_empty):
   batch = tf.shape(tensors[0], out_type=tf.int32)[0]
-  checks = [tf.debugging.assert_greater_equal(
-      batch, num_shards,
-      message="the global batch is smaller than num_gpus=%d: every tower "
-      "needs at least one example; raise the batch size or use fewer towers"
-      % num_shards)]
+  checks = []
+  if not allow_empty:
+    checks.append(tf.debugging.assert_greater_equal(
+        batch, num_shards,
+        message="the global batch is smaller than num_gpus=%d: every tower "
+        "needs at least one example; raise the batch size or use fewer "
+        "towers" % num_shards))
   for t in tensors[1:]:
     checks.append(tf.debugging.assert_equal(
         tf.shape(t, out_type=tf.int32)[0], batch,
@@ -138,11 +149,11 @@ def batch_weights(batches: List[List[object]]) -> List[Weight]:
   return [c / total for c in counts]
 
 
-def tower_batch(inputs: Inputs, shards: Optional[List[List[tf.Tensor]]],
+def tower_batch(inputs: Inputs, shards: Optional[List[object]],
                 index: int) -> List[object]:
   """Returns tower `index`'s arguments (call inside its scope and device)."""
   if inputs is None:
     return []
   if shards is not None:
-    return list(shards[index])
+    return as_args(shards[index])
   return as_args(inputs())

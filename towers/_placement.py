@@ -5,9 +5,15 @@ model (``_variable_on_cpu``). Here the rule lives in one place: a device
 function pushed around each tower sends variable ops to the variable device
 and every other op to the tower's device, so model code needs no placement of
 its own.
+
+Tower-local variables, those created inside a tower in ``LOCAL_VARIABLES``
+and not in ``GLOBAL_VARIABLES`` (``tf.metrics`` accumulators, a per-tower
+input counter), are the tower's own state, read and updated only by that
+tower: they stay on the tower's device, where their reads cost nothing.
 """
 
-from typing import Callable, Dict, List, Sequence, Union
+import contextlib
+from typing import Callable, Dict, Iterator, List, Sequence, Union
 
 import numpy as np
 import tensorflow.compat.v1 as tf
@@ -97,16 +103,33 @@ def variable_placer(variable_device: VariableDevice,
   return lambda op: variable_device
 
 
-def tower_device_fn(device: str, placer: DeviceFn) -> DeviceFn:
-  """Returns the device function for one tower.
+@contextlib.contextmanager
+def tower_placement(device: str, placer: DeviceFn) -> Iterator[None]:
+  """Places one tower's ops while it is built.
 
-  Variable ops go where `placer` says; every other op goes to `device`. Device
-  fields an op already carries (from an inner ``tf.device``) are kept.
+  Variable ops go where `placer` says, except tower-local variables, which
+  stay on `device` with every other op. Device fields an op already carries
+  (from an inner ``tf.device``) are kept.
   """
+  # A variable creator sees the collections a variable joins before its op
+  # exists; the device function, which sees only the op, cannot.
+  local = []
 
   def device_fn(op: tf.Operation) -> str:
-    if op.type in VARIABLE_OPS:
+    if op.type in VARIABLE_OPS and not local:
       return _merge(placer(op), op)
     return _merge(device, op)
 
-  return device_fn
+  def creator(next_creator, **kwargs):
+    collections = kwargs.get("collections") or [tf.GraphKeys.GLOBAL_VARIABLES]
+    if (tf.GraphKeys.LOCAL_VARIABLES in collections and
+        tf.GraphKeys.GLOBAL_VARIABLES not in collections):
+      local.append(True)
+      try:
+        return next_creator(**kwargs)
+      finally:
+        local.pop()
+    return next_creator(**kwargs)
+
+  with tf.device(device_fn), tf.variable_creator_scope(creator):
+    yield

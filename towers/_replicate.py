@@ -7,6 +7,7 @@ import tensorflow.compat.v1 as tf
 
 from towers import _devices
 from towers import _inputs
+from towers import _isolation
 from towers import _placement
 
 Towers = collections.namedtuple("Towers", [
@@ -52,7 +53,15 @@ def build_towers(model_fn: Callable[..., object],
   tower 0 with ``tf.get_variable`` (or ``tf.compat.v1.layers``), are shared
   by all towers and keep single-device names; one device function places
   them (see `variable_device`) and sends every other op of tower ``i`` to
-  ``devices[i]``. An explicit ``tf.device`` inside `model_fn` still wins.
+  ``devices[i]``, tower-local variables (``LOCAL_VARIABLES`` only, such as
+  ``tf.metrics`` accumulators) included. An explicit ``tf.device`` inside
+  `model_fn` still wins. Called inside ``tf.variable_scope('model')``, the
+  towers' name scopes are ``model/tower_0/``, ... and variables ``model/...``.
+
+  Once built, each tower's loss is checked to depend on its own batch only
+  and the towers' losses on the same regularization losses: a `model_fn`
+  returning ``tf.losses.get_total_loss()`` unscoped would otherwise add the
+  earlier towers' losses to each tower's, silently.
 
   It does not average or apply the gradients (use `average_gradients` and
   ``opt.apply_gradients``, or `minimize`), and it leaves the caller's
@@ -63,13 +72,15 @@ def build_towers(model_fn: Callable[..., object],
     model_fn: called as ``model_fn(scope, *batch)`` in each tower; returns the
       tower's scalar float loss, or ``(loss, outputs)``.
     opt: a ``tf.compat.v1.train.Optimizer``.
-    num_gpus: the number of towers, a positive int.
+    num_gpus: the number of towers, a positive int (NumPy integers too).
     inputs: None (`model_fn` builds its own input, called as
-      ``model_fn(scope)``); a tensor or list/tuple of tensors holding the
-      global batch on axis 0, split into `num_gpus` shards whose sizes differ
-      by at most one; or a callable (such as ``iterator.get_next``) called
-      once in each tower's scope and device, each tower getting its own
-      batch. A tuple or list batch is passed as separate arguments.
+      ``model_fn(scope)``); a tensor or a nested structure of tensors
+      (tuples, lists, dicts) holding the global batch on axis 0, each split
+      into `num_gpus` shards whose sizes differ by at most one; or a callable
+      (such as ``iterator.get_next``) called once in each tower's scope and
+      device, each tower getting its own batch. A tuple or list batch is
+      passed as separate arguments; anything else (a tensor, a dict of
+      features) as one argument, with the structure it came in.
     devices: ``[num_gpus]`` tower devices; default ``['/gpu:0', ...]``.
     variable_device: ``'cpu'`` (``/cpu:0``, the original's), ``'gpu'`` (the
       first tower's device), ``'balanced'`` (each variable to the tower
@@ -85,15 +96,18 @@ def build_towers(model_fn: Callable[..., object],
     A `Towers` namedtuple.
 
   Raises:
-    TypeError: if `num_gpus` is not an int, `model_fn` is not callable, `opt`
-      has no ``compute_gradients``, `devices` holds a non-string, or a tower's
-      loss is not a float tensor.
+    RuntimeError: if eager execution is on (call
+      ``tf.compat.v1.disable_eager_execution()`` first).
+    TypeError: if `num_gpus` is not an integer, `model_fn` is not callable,
+      `opt` has no ``compute_gradients``, `devices` holds a non-string, or a
+      tower's loss is not a float tensor.
     ValueError: if `num_gpus` is not positive, `devices` does not have
-      `num_gpus` entries, a tower's loss is missing or not a scalar, or a
-      tower after the first creates a trainable variable (the towers would
-      not share it).
+      `num_gpus` entries, a tower's loss is missing or not a scalar, a tower
+      after the first creates a trainable variable (the towers would not
+      share it), a tower's loss reads another tower's data, or the towers'
+      losses include different regularization losses.
   """
-  _devices.check_count("num_gpus", num_gpus)
+  num_gpus = _devices.check_count("num_gpus", num_gpus)
   if not callable(model_fn):
     raise TypeError("expected model_fn to be callable as model_fn(scope, "
                     "*batch), got %r" % (model_fn,))
@@ -104,52 +118,96 @@ def build_towers(model_fn: Callable[..., object],
         "compute_gradients and apply_gradients), got %r; Keras optimizers "
         "do not work in graph mode towers, use e.g. "
         "tf.compat.v1.train.MomentumOptimizer" % (opt,))
-  devices = _check_devices(devices, num_gpus)
-  placer = _placement.variable_placer(variable_device, devices)
   compute_gradients_kwargs.setdefault("gate_gradients",
                                       tf.train.Optimizer.GATE_NONE)
+
+  def tower(index, scope, batch):
+    loss, output = _check_result(model_fn(scope, *batch), scope)
+    # Tower 0's batch-norm updates stand for all (tf-slim's choice): running
+    # every tower's would apply N updates per step.
+    update_ops = tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope) \
+        if index == 0 else []
+    # Only the final tower's summaries are kept: the towers' would share
+    # tags once the tower prefix is stripped.
+    summaries = tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
+    grads = opt.compute_gradients(loss, **compute_gradients_kwargs)
+    return loss, output, grads, update_ops, summaries
+
+  built = run_towers(tower, num_gpus, inputs=inputs, devices=devices,
+                     variable_device=variable_device, tower_name=tower_name)
+  losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
+  _isolation.check_losses(losses, built.scopes, built.batches)
+  with tf.name_scope("%s_loss" % tower_name):
+    mean_loss = tf.add_n([l * tf.cast(w, l.dtype)
+                          for l, w in zip(losses, built.weights)])
+  return Towers(losses=list(losses), loss=mean_loss,
+                tower_grads=list(tower_grads), weights=built.weights,
+                scopes=built.scopes, devices=built.devices,
+                summaries=summaries[-1], update_ops=update_ops[0],
+                outputs=list(outputs), grads_and_vars=None)
+
+
+Built = collections.namedtuple("Built", [
+    "results", "scopes", "devices", "batches", "weights"])
+
+
+def run_towers(tower_fn: Callable[[int, str, List[object]], object],
+               num_towers: int, *, inputs: _inputs.Inputs,
+               devices: Optional[Sequence[str]],
+               variable_device: _placement.VariableDevice,
+               tower_name: str, allow_empty: bool = False) -> Built:
+  """Calls ``tower_fn(index, scope, batch)`` once in each tower.
+
+  The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
+  built under its device function and ``tf.name_scope('tower_i')`` inside
+  the caller's variable scope, reusing tower 0's variables; `batch` is the
+  list of arguments its model function takes after the scope. The caller's
+  name scope is kept as it is (``model/tower_0/``, not ``model/model/``).
+
+  Returns:
+    A `Built`: ``[num_towers]`` results of `tower_fn`, the scopes, the
+    devices and each tower's share of the global batch.
+
+  Raises:
+    RuntimeError: under eager execution.
+    TypeError, ValueError: for bad devices or inputs, or a tower after the
+      first that creates a trainable variable.
+  """
+  if tf.executing_eagerly():
+    raise RuntimeError(
+        "towers builds graphs, but eager execution is on (the TensorFlow 2 "
+        "default): call tf.compat.v1.disable_eager_execution() (or "
+        "tf.compat.v1.disable_v2_behavior()) at the start of your program, "
+        "or build inside `with tf.Graph().as_default():`")
+  devices = _check_devices(devices, num_towers)
+  placer = _placement.variable_placer(variable_device, devices)
   shards, weights = None, None
   if inputs is not None and not callable(inputs):
-    shards, weights = _inputs.split_inputs(inputs, num_gpus)
-
+    shards, weights = _inputs.split_inputs(inputs, num_towers,
+                                           allow_empty=allow_empty)
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
-  losses, tower_grads, scopes, outputs, batches = [], [], [], [], []
-  update_ops, summaries = [], []
-  with tf.variable_scope(tf.get_variable_scope()):
+  results, scopes, batches = [], [], []
+  # No auxiliary name scope: re-entering the caller's variable scope would
+  # otherwise open its name scope again inside itself (model/model/tower_0).
+  with tf.variable_scope(tf.get_variable_scope(), auxiliary_name_scope=False):
     for i, device in enumerate(devices):
       known = len(trainable)
-      with tf.device(_placement.tower_device_fn(device, placer)), \
+      with _placement.tower_placement(device, placer), \
           tf.name_scope("%s_%d" % (tower_name, i)) as scope:
         batch = _inputs.tower_batch(inputs, shards, i)
-        loss, output = _check_result(model_fn(scope, *batch), scope)
+        results.append(tower_fn(i, scope, batch))
         if i > 0 and len(trainable) > known:
           raise _unshared_variable_error(trainable[known], scope)
         # Later towers reuse tower 0's variables.
         tf.get_variable_scope().reuse_variables()
-        if i == 0:
-          # Tower 0's batch-norm updates stand for all (tf-slim's choice):
-          # running every tower's would apply N updates per step.
-          update_ops = tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope)
-        # Only the final tower's summaries are kept: the towers' would share
-        # tags once the tower prefix is stripped.
-        summaries = tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
-        tower_grads.append(opt.compute_gradients(loss,
-                                                 **compute_gradients_kwargs))
-      losses.append(loss)
-      outputs.append(output)
       scopes.append(scope)
       batches.append(batch)
-
   if weights is None:
     weights = _inputs.batch_weights(batches) if callable(inputs) else [
-        1.0 / num_gpus] * num_gpus
-  with tf.name_scope("%s_loss" % tower_name):
-    mean_loss = tf.add_n([l * tf.cast(w, l.dtype)
-                          for l, w in zip(losses, weights)])
-  return Towers(losses=losses, loss=mean_loss, tower_grads=tower_grads,
-                weights=weights, scopes=scopes, devices=devices,
-                summaries=summaries, update_ops=update_ops, outputs=outputs,
-                grads_and_vars=None)
+        1.0 / num_towers] * num_towers
+  return Built(results=results, scopes=scopes, devices=devices,
+               batches=batches,
+               weights=weights)
 
 
 def _check_devices(devices: Optional[Sequence[str]],
@@ -202,7 +260,13 @@ def _check_result(result, scope: str):
         "expected model_fn to return a float loss, got %s in %s; cast it "
         "with tf.cast(loss, tf.float32)" % (loss.dtype.name, tower))
   if loss.shape.rank is None:
-    loss = tf.ensure_shape(loss, [])
+    # Only known at run time: check it then, with the same hint.
+    check = tf.debugging.assert_rank(
+        loss, 0, message="expected model_fn to return a scalar loss in %s; "
+        "did you forget tf.reduce_mean?" % tower)
+    with tf.control_dependencies([check]):
+      loss = tf.identity(loss)
+    loss.set_shape([])
   elif loss.shape.rank != 0:
     raise ValueError(
         "expected model_fn to return a scalar loss, got shape %s in %s; did "

@@ -67,8 +67,39 @@ def minimize(model_fn: Callable[..., object],
         "no variable has a gradient: none of %s reaches the towers' loss"
         % ", ".join(v.name for _, v in grads_and_vars))
   if clip_norm is not None:
-    grads, variables = zip(*grads_and_vars)
-    grads, _ = tf.clip_by_global_norm(grads, clip_norm)
-    grads_and_vars = list(zip(grads, variables))
+    grads_and_vars = _clip_by_global_norm(grads_and_vars, clip_norm)
   train_op = opt.apply_gradients(grads_and_vars, global_step=global_step)
   return train_op, towers._replace(grads_and_vars=grads_and_vars)
+
+
+def _clip_by_global_norm(grads_and_vars: _gradients.GradsAndVars,
+                         clip_norm: float) -> _gradients.GradsAndVars:
+  """``tf.clip_by_global_norm`` for gradients of any mix of float dtypes.
+
+  TensorFlow's stacks the gradients' norms, so float16 and float32
+  gradients together fail. Here the global norm is computed in float32 (or
+  float64 when a gradient is), and each gradient is scaled in its own dtype.
+  With one dtype this is TensorFlow's function itself.
+  """
+  grads, variables = zip(*grads_and_vars)
+  present = [g for g in grads if g is not None]
+  dtypes = {g.dtype.base_dtype for g in present}
+  if len(dtypes) <= 1:
+    grads, _ = tf.clip_by_global_norm(grads, clip_norm)
+    return list(zip(grads, variables))
+  wide = tf.float64 if tf.float64 in dtypes else tf.float32
+  with tf.name_scope("clip_by_global_norm"):
+    norm = tf.linalg.global_norm([tf.cast(g, wide) for g in present])
+    # TensorFlow's formula: no clipping below clip_norm, NaN for NaN norms.
+    scale = clip_norm * tf.minimum(1.0 / norm, tf.constant(1.0, wide) /
+                                   clip_norm) + (norm - norm)
+    clipped = [None if g is None else _scale(g, tf.cast(scale, g.dtype))
+               for g in grads]
+  return list(zip(clipped, variables))
+
+
+def _scale(grad, scale: tf.Tensor):
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * scale, grad.indices,
+                            grad.dense_shape)
+  return grad * scale

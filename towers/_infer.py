@@ -1,0 +1,91 @@
+"""Inference on towers: a forward function over a split batch, in order."""
+
+from typing import Callable, Optional, Sequence
+
+import tensorflow.compat.v1 as tf
+
+from towers import _devices
+from towers import _placement
+from towers import _replicate
+
+
+def infer(model_fn: Callable[..., object],
+          num_gpus: int,
+          *,
+          inputs: object,
+          devices: Optional[Sequence[str]] = None,
+          variable_device: _placement.VariableDevice = "cpu",
+          tower_name: str = "tower") -> object:
+  """Runs a forward-only function on towers; returns its outputs in order.
+
+  The global batch in `inputs` is split as `build_towers` splits it, tower
+  ``i`` calls ``model_fn(scope, *shard)`` on its device with the towers'
+  variables shared (single-device names, placed by `variable_device`), and
+  each output's shards are concatenated back along axis 0, so row ``k`` of
+  an output belongs to example ``k`` of the batch. No optimizer, no
+  gradients. A batch smaller than `num_gpus` (the last one of an evaluation
+  set, say) leaves the later towers an empty shard.
+
+  Args:
+    model_fn: called as ``model_fn(scope, *batch)`` in each tower; returns a
+      tensor or a nested structure of tensors, each with the tower's
+      examples on axis 0 (logits, predictions...).
+    num_gpus: the number of towers, a positive int.
+    inputs: a tensor or a nested structure of tensors holding the global
+      batch on axis 0 (as for `build_towers`; not a callable: the outputs
+      must come back in the batch's order).
+    devices: ``[num_gpus]`` tower devices; default ``['/gpu:0', ...]``.
+    variable_device: as for `build_towers`.
+    tower_name: the prefix of the towers' name scopes.
+
+  Returns:
+    What `model_fn` returns, with each tensor the concatenation of the
+    towers' over the whole batch (built under the caller's device scope).
+
+  Raises:
+    RuntimeError: if eager execution is on.
+    TypeError: if `model_fn` is not callable, `inputs` is None or callable,
+      or `model_fn` returns something other than tensors.
+    ValueError: as `build_towers` for the devices and inputs, or if an
+      output is a scalar (it has no examples to put back in order).
+  """
+  num_gpus = _devices.check_count("num_gpus", num_gpus)
+  if not callable(model_fn):
+    raise TypeError("expected model_fn to be callable as model_fn(scope, "
+                    "*batch), got %r" % (model_fn,))
+  if inputs is None or callable(inputs):
+    raise TypeError(
+        "infer needs inputs holding the global batch (a tensor or a nested "
+        "structure of tensors), to put the outputs back in its order; got "
+        "%r" % (inputs,))
+
+  def tower(index, scope, batch):
+    del index  # Every tower runs the same function.
+    outputs = model_fn(scope, *batch)
+    for t in tf.nest.flatten(outputs):
+      if not isinstance(t, tf.Tensor):
+        raise TypeError(
+            "expected model_fn to return tensors in %s (each with the "
+            "tower's examples on axis 0), got %r" % (scope.rstrip("/"), t))
+      if t.shape.rank == 0:
+        raise ValueError(
+            "model_fn returned the scalar %s in %s: infer puts outputs back "
+            "in batch order along axis 0, so each needs the tower's examples "
+            "on axis 0" % (t.name, scope.rstrip("/")))
+    return outputs
+
+  built = _replicate.run_towers(
+      tower, num_gpus, inputs=inputs, devices=devices,
+      variable_device=variable_device, tower_name=tower_name,
+      allow_empty=True)
+  first = built.results[0]
+  for outputs, scope in zip(built.results[1:], built.scopes[1:]):
+    try:
+      tf.nest.assert_same_structure(first, outputs)
+    except (TypeError, ValueError) as e:
+      raise ValueError("model_fn returned a different structure in %s than "
+                       "in the first tower: %s" % (scope.rstrip("/"), e)
+                      ) from None
+  with tf.name_scope("%s_outputs" % tower_name):
+    return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0),
+                                 *built.results)
