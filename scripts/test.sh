@@ -1,22 +1,70 @@
 #!/usr/bin/env bash
-# Sets up fresh virtualenvs and runs the tests across the supported TensorFlow
-# range (the README's test command; .ci/run runs exactly this):
+# Sets up fresh virtualenvs and runs the checks and the tests across the
+# supported TensorFlow range (the README's test command; .ci/run runs exactly
+# this):
+#   checks  lint (ruff; pylint for the 2-space indentation) and types (mypy
+#           over towers/), configured in pyproject.toml; the sdist and wheel
+#           built (python -m build) and checked (twine check --strict); the
+#           wheel installed with the tf extra into a fresh virtualenv, not
+#           editable, and the README's quick start run from outside the
+#           repository against it;
 #   newest  the newest TensorFlow setup.py admits (+ tf_keras for Keras 3):
 #           library tests under ref variables (tf.disable_v2_behavior()),
 #           then every test, the examples' and the benchmark's included,
 #           under resource variables;
-#   oldest  TensorFlow 2.12 (numpy<2), the oldest that installs on Python
-#           3.11: library tests under both kinds of variables.
-# Usage: bash scripts/test.sh [newest] [oldest]     (default: both)
-# Virtualenvs go to $VENV_ROOT (default .venv-test/), made anew on each run.
+#   oldest  TensorFlow 2.12 (numpy<2): library tests under both kinds of
+#           variables.
+# Python: python3 (or $PYTHON) must be 3.10 or 3.11 for the default run:
+# TensorFlow 2.21 has wheels for Python 3.10-3.13, TensorFlow 2.12 for
+# 3.8-3.11. The script checks this first and exits with status 2 otherwise.
+# Usage: bash scripts/test.sh [checks] [newest] [oldest]   (default: all three)
+# Virtualenvs go to $VENV_ROOT (default .venv-test/), made anew on each run;
+# pip's cache is reused. A failed check or test does not stop the run: the
+# last line counts them all, and the exit status is 1 if any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+repo="$PWD"
 
 root="${VENV_ROOT:-.venv-test}"
+case "$root" in /*) ;; *) root="$repo/$root" ;; esac
+python="${PYTHON:-python3}"
 envs=("$@")
-[ ${#envs[@]} -gt 0 ] || envs=(newest oldest)
+[ ${#envs[@]} -gt 0 ] || envs=(checks newest oldest)
+
+# Before anything else: the environments exist, and python3 can install
+# their TensorFlow (the Python versions its wheels are built for).
+lowest=0; highest=99; newest_tf=""; oldest_tf=""
+for env in "${envs[@]}"; do
+  case "$env" in
+    checks|newest)  # TensorFlow 2.21 (the checks' wheel[tf] installs it too)
+      low=10; high=13
+      newest_tf="TensorFlow 2.21 has wheels for Python 3.10-3.13" ;;
+    oldest)
+      low=8; high=11
+      oldest_tf="TensorFlow 2.12 has wheels for Python 3.8-3.11" ;;
+    *)
+      echo "unknown environment '$env' (expected checks, newest or oldest)" >&2
+      exit 2 ;;
+  esac
+  if [ "$low" -gt "$lowest" ]; then lowest=$low; fi
+  if [ "$high" -lt "$highest" ]; then highest=$high; fi
+done
+version=$("$python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' \
+  2>/dev/null) || version=""
+minor=$(echo "$version" | sed -nE 's/^3\.([0-9]+)\..*/\1/p')
+if [ -z "$minor" ] || [ "$minor" -lt "$lowest" ] \
+    || [ "$minor" -gt "$highest" ]; then
+  because="$newest_tf${newest_tf:+${oldest_tf:+; }}$oldest_tf"
+  echo "scripts/test.sh needs Python 3.$lowest to 3.$highest as $python for" \
+    "${envs[*]} ($because); $python is ${version:-missing}: put one of those" \
+    "first on PATH, or set PYTHON (e.g. PYTHON=python3.$highest)" >&2
+  exit 2
+fi
+
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 summary=()
+checked=()
+failed=0
 reports=$(mktemp -d)
 trap 'rm -rf "$reports"' EXIT
 run=0
@@ -25,29 +73,53 @@ tests() {  # tests PYTHON PYTEST_ARGS...
   local py="$1"
   shift
   run=$((run + 1))
-  "$py" -m pytest --junitxml="$reports/$run.xml" "$@"
+  "$py" -m pytest --junitxml="$reports/$run.xml" "$@" || failed=1
+}
+
+check() {  # check NAME COMMAND... ; counted like a test in the total
+  local name="$1" start=$SECONDS status=0
+  shift
+  echo "== check: $name"
+  "$@" || status=$?
+  run=$((run + 1))
+  cat > "$reports/$run.xml" <<XML
+<testsuite name="checks" tests="1" failures="$((status != 0))" errors="0" skipped="0"><testcase classname="checks" name="$name"/></testsuite>
+XML
+  local verdict=passed
+  if [ "$status" -ne 0 ]; then
+    verdict="FAILED (exit status $status)"
+    failed=1
+  fi
+  checked+=("| $name | $verdict | $((SECONDS - start)) s |")
+}
+
+make_venv() {  # make_venv NAME PIP_ARGS... ; prints the venv's python
+  # Each step returns on failure: callers run it where set -e is off.
+  local venv="$root/$1"
+  shift
+  rm -rf "$venv" || return 1
+  "$python" -m venv "$venv" >&2 || return 1
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2 || return 1
+  "$venv/bin/python" -m pip install -q "$@" >&2 || return 1
+  echo "$venv/bin/python"
 }
 
 setup() {  # setup NAME PIP_ARGS... ; prints the venv's python
-  local venv="$root/$1"
-  shift
-  rm -rf "$venv"
-  python3 -m venv "$venv" >&2
-  "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q "$@" >&2
+  local py
+  py=$(make_venv "$@") || return 1
   # Keras 3 (TensorFlow >= 2.16) dropped tf.compat.v1.layers; tf_keras of the
   # same minor version brings them back under TF_USE_LEGACY_KERAS=1.
   local keras_req
-  keras_req=$("$venv/bin/python" - 2>/dev/null <<'PY'
+  keras_req=$("$py" - 2>/dev/null <<'PY'
 import tensorflow as tf
 major, minor = map(int, tf.__version__.split(".")[:2])
 print("tf_keras==%d.%d.*" % (major, minor) if (major, minor) >= (2, 16) else "")
 PY
 )
   if [ -n "$keras_req" ]; then
-    "$venv/bin/python" -m pip install -q "$keras_req" >&2
+    "$py" -m pip install -q "$keras_req" >&2 || return 1
   fi
-  echo "$venv/bin/python"
+  echo "$py"
 }
 
 describe() {  # describe PYTHON KINDS
@@ -64,51 +136,127 @@ print("| %s | %s | %s | %s |" % (tf.__version__, keras,
 PY
 }
 
+build_dist() {  # build_dist DIR ; the sdist, then the wheel from the sdist
+  if ! "$cpy" -m build --outdir "$1" . > "$reports/build.log" 2>&1; then
+    tail -n 40 "$reports/build.log"
+    return 1
+  fi
+  ls "$1"
+}
+
+wheel_quick_start() {  # wheel_quick_start DIST_DIR
+  local wheel
+  wheel=$(ls "$1"/towers-*.whl) || return 1
+  # Not editable, and with TensorFlow from the tf extra (pip's cache is
+  # reused, so TensorFlow is downloaded once per machine).
+  local wpy
+  wpy=$(make_venv wheel "$wheel[tf]") || return 1
+  # From a directory outside the repository, so that `import towers` finds
+  # the installed wheel, never the source tree.
+  local outside
+  outside=$(mktemp -d)
+  (cd "$outside" && "$wpy" - "$repo/README.md" <<'PY'
+import os, re, subprocess, sys
+with open(sys.argv[1]) as f:
+  text = f.read()
+code = re.search(r"## Quick start\s+```python\n(.*?)```", text, re.S).group(1)
+code = code.replace("  for step in range(20):\n",
+                    "  seen = []\n  for step in range(20):\n")
+code += ("    seen.append(loss)\n"
+         "  print(towers.__file__)\n"
+         "  print(seen[0], seen[-1])\n")
+done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                      text=True, check=False)
+if done.returncode != 0:
+  sys.exit("the README's quick start failed:\n" + done.stderr[-3000:])
+where, losses = done.stdout.strip().splitlines()[-2:]
+first, last = map(float, losses.split())
+site = os.path.join(sys.prefix, "lib")
+if not os.path.realpath(where).startswith(os.path.realpath(site)):
+  sys.exit("towers was imported from %s, not from the wheel in %s"
+           % (where, sys.prefix))
+if not last < first:
+  sys.exit("the quick start's loss did not fall: %g -> %g" % (first, last))
+print("README quick start from the installed wheel (%s): loss %.3f -> %.3f"
+      % (where, first, last))
+PY
+  )
+  local status=$?
+  rm -rf "$outside"
+  return $status
+}
+
+# Tests that do not depend on the kind of variables run once per environment,
+# under resource variables.
+once_only=(--ignore=tests/test_tensorboard.py
+           --ignore=tests/test_test_script.py)
+
 for env in "${envs[@]}"; do
   case "$env" in
+    checks)
+      # Pinned, so that a new release of a tool cannot fail a run by itself.
+      # NumPy: its type hints, for mypy.
+      cpy=$(make_venv checks "ruff==0.17.6" "pylint==4.1.4" "mypy==2.4.1" \
+        "build==1.6.1" "twine==7.0.0" numpy)
+      dist=$(mktemp -d "$reports/dist.XXXXXX")
+      check "ruff" "$cpy" -m ruff check .
+      check "indentation (pylint)" "$cpy" -m pylint towers benchmarks \
+        examples tests setup.py
+      check "mypy towers/" "$cpy" -m mypy
+      check "build sdist and wheel" build_dist "$dist"
+      check "twine check" "$cpy" -m twine check --strict "$dist"/*
+      check "wheel[tf] runs the README quick start" wheel_quick_start "$dist"
+      ;;
     newest)
       py=$(setup newest -e ".[tf,test]")
       tests "$py" tests --ref-variables --ignore=tests/examples \
-        --ignore=tests/test_benchmarks.py
+        --ignore=tests/test_benchmarks.py "${once_only[@]}"
       tests "$py" tests
       summary+=("$(describe "$py" "ref + resource (examples: resource)")")
       ;;
     oldest)
       py=$(setup oldest "tensorflow==2.12.*" "numpy<2" -e ".[test]")
       tests "$py" tests --ref-variables --ignore=tests/examples \
-        --ignore=tests/test_benchmarks.py
+        --ignore=tests/test_benchmarks.py "${once_only[@]}"
       tests "$py" tests --ignore=tests/examples \
         --ignore=tests/test_benchmarks.py
       summary+=("$(describe "$py" "ref + resource")")
       ;;
-    *)
-      echo "unknown environment '$env' (expected newest or oldest)" >&2
-      exit 2
-      ;;
   esac
 done
 
-echo
-echo "Tested:"
-echo "| TensorFlow | Keras | Python | variables |"
-echo "|---|---|---|---|"
-printf '%s\n' "${summary[@]}"
+if [ ${#checked[@]} -gt 0 ]; then
+  echo
+  echo "Checked:"
+  echo "| check | result | time |"
+  echo "|---|---|---:|"
+  printf '%s\n' "${checked[@]}"
+fi
+if [ ${#summary[@]} -gt 0 ]; then
+  echo
+  echo "Tested:"
+  echo "| TensorFlow | Keras | Python | variables |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${summary[@]}"
+fi
 # The README's compatibility table must list every TensorFlow tested here.
-for row in "${summary[@]}"; do
+for row in "${summary[@]+"${summary[@]}"}"; do
   minor=$(echo "$row" | sed -E 's/^\| ([0-9]+\.[0-9]+)\..*/\1/')
   if ! grep -qE "^\| $minor(\.[0-9x]+)? \|" README.md; then
     echo "README.md's compatibility table has no row for TensorFlow $minor" >&2
-    exit 1
+    failed=1
   fi
 done
-python3 - "$reports" <<'PY'
+"$python" - "$reports" <<'PY'
 import glob, sys, xml.etree.ElementTree as ET
 totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 for path in glob.glob(sys.argv[1] + "/*.xml"):
-  for suite in ET.parse(path).getroot().iter("testsuite"):
+  root = ET.parse(path).getroot()
+  for suite in root.iter("testsuite"):
     for key in totals:
       totals[key] += int(suite.get(key, 0))
 failed = totals["failures"] + totals["errors"]
 print("total: %d passed, %d failed, %d skipped" % (
     totals["tests"] - failed - totals["skipped"], failed, totals["skipped"]))
 PY
+exit "$failed"

@@ -1,0 +1,63 @@
+"""scripts/test.sh checks python3 before it does anything.
+
+TensorFlow 2.12 has no wheels past Python 3.11 and TensorFlow 2.21 none
+before 3.10, so with another python3 the script would fail minutes later in
+pip; it must say so at once, with exit status 2, and create nothing.
+"""
+
+import os
+import stat
+import subprocess
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SCRIPT = os.path.join(ROOT, "scripts", "test.sh")
+
+
+def _run_with_python(tmp_path, version, *envs):
+  """Runs test.sh with a python3 that reports `version` and does nothing."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  fake = bin_dir / "python3"
+  # Answers the version question; anything else (making a virtualenv)
+  # fails at once, so that a script that skips the check stops quickly.
+  fake.write_text('#!/bin/sh\n[ "$1" = "-c" ] && { echo %s; exit 0; }\n'
+                  'exit 3\n' % version)
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  venvs = tmp_path / "venvs"
+  env = dict(os.environ, PATH="%s:%s" % (bin_dir, os.environ["PATH"]),
+             VENV_ROOT=str(venvs))
+  env.pop("PYTHON", None)
+  done = subprocess.run(["bash", SCRIPT] + list(envs), capture_output=True,
+                        text=True, timeout=60, env=env, check=False)
+  return done, venvs
+
+
+@pytest.mark.parametrize("version", ["3.12.1", "3.9.18"])
+def test_test_script_refuses_a_python_without_tensorflow_wheels(
+    tmp_path, version):
+  done, venvs = _run_with_python(tmp_path, version)
+  assert done.returncode == 2, (done.stdout, done.stderr)
+  message = done.stderr.strip()
+  assert "\n" not in message
+  assert "needs Python 3.10 to 3.11 as python3" in message
+  assert "python3 is %s" % version in message
+  assert "TensorFlow 2.12 has wheels for Python 3.8-3.11" in message
+  assert done.stdout == ""
+  assert not venvs.exists()
+
+
+def test_test_script_admits_each_environments_own_pythons(tmp_path):
+  # Only the oldest environment: 3.12 is too new for TensorFlow 2.12.
+  done, venvs = _run_with_python(tmp_path, "3.12.1", "oldest")
+  assert done.returncode == 2
+  assert "needs Python 3.8 to 3.11 as python3 for oldest" in done.stderr
+  assert not venvs.exists()
+
+
+def test_test_script_refuses_an_unknown_environment(tmp_path):
+  done, venvs = _run_with_python(tmp_path, "3.11.7", "newer")
+  assert done.returncode == 2
+  assert "unknown environment 'newer'" in done.stderr
+  assert not venvs.exists()
