@@ -189,7 +189,7 @@ PY
 # Tests that do not depend on the kind of variables run once per environment,
 # under resource variables.
 once_only=(--ignore=tests/test_tensorboard.py
-           --ignore=tests/test_test_script.py)
+           --ignore=tests/test_commands.py)
 
 for env in "${envs[@]}"; do
   case "$env" in

@@ -1,11 +1,14 @@
-"""scripts/test.sh checks python3 before it does anything.
+"""The README's shell commands and scripts/test.sh's Python check.
 
-TensorFlow 2.12 has no wheels past Python 3.11 and TensorFlow 2.21 none
-before 3.10, so with another python3 the script would fail minutes later in
-pip; it must say so at once, with exit status 2, and create nothing.
+The README's commands run in the virtualenv its one-liner makes, never in
+whatever `python` is first on PATH. scripts/test.sh checks python3 before it
+does anything: TensorFlow 2.12 has no wheels past Python 3.11 and TensorFlow
+2.21 none before 3.10, so with another python3 the script would fail minutes
+later in pip; it must say so at once, with exit status 2, and create nothing.
 """
 
 import os
+import re
 import stat
 import subprocess
 
@@ -13,6 +16,18 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "scripts", "test.sh")
+README = os.path.join(ROOT, "README.md")
+
+
+def test_readme_commands_use_the_virtualenv():
+  with open(README) as f:
+    text = f.read()
+  blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
+  assert len(blocks) >= 5
+  bare = [line for block in blocks for line in block.splitlines()
+          if re.match(r"(python|pip|tensorboard)\b", line.strip())]
+  assert not bare, "README commands outside .venv: %s" % bare
+  assert "needs `python3` 3.10 or 3.11" in text
 
 
 def _run_with_python(tmp_path, version, *envs):
