@@ -14,11 +14,12 @@ images exactly once (the last batch holds the remainder: 10,000 images, not
 the tutorial's 10,112), and logs ``precision @ 1 = 0.dddd`` (a fraction),
 also written to --eval_dir as a summary. Without --run_once it evaluates
 each new checkpoint in --checkpoint_dir, looking every --eval_interval_secs.
-Nothing in --eval_dir is ever deleted (the tutorial wiped it).
+--eval_dir is created with the first result, never deleted (the tutorial
+wiped it). A flag out of range (``--num_examples=0``) stops the script with
+one line naming it.
 """
 
 import collections
-import os
 from typing import Optional, Sequence
 
 from absl import app
@@ -53,6 +54,14 @@ Fields:
   count: test images evaluated, each exactly once.
   global_step: the checkpoint's training step.
 """
+
+# The bounds of `evaluate`'s numeric arguments and of the flags of the same
+# names (`common.check_args`).
+BOUNDS = {
+    "num_examples": dict(at_least=1),
+    "batch_size": dict(at_least=1),
+    "eval_interval_secs": dict(above=0),
+}
 
 
 def build_eval_graph(test_files: Sequence[str], num_examples: int,
@@ -151,7 +160,14 @@ def evaluate(*, data_dir: str, checkpoint_dir: str, eval_dir: str,
       test batch file is missing.
     common.DownloadError: if the data are absent and cannot be downloaded.
     cifar10_data.CorruptDataError: if the test file is truncated or corrupt.
+    common.FlagError: for an argument out of its `BOUNDS`, or a directory
+      that is a file.
   """
+  common.check_args(BOUNDS, num_examples=num_examples, batch_size=batch_size,
+                    eval_interval_secs=eval_interval_secs)
+  for name, path in (("checkpoint_dir", checkpoint_dir),
+                     ("data_dir", data_dir), ("eval_dir", eval_dir)):
+    common.check_dir(name, path)
   cifar10_data.maybe_download_and_extract(data_dir, urls)
   test_files = cifar10_data.data_files(data_dir, train=False)
   present = cifar10_data.check_files(test_files)
@@ -161,15 +177,22 @@ def evaluate(*, data_dir: str, checkpoint_dir: str, eval_dir: str,
                     present)
     num_examples = present
   g = build_eval_graph(test_files, num_examples, batch_size)
-  os.makedirs(eval_dir, exist_ok=True)
-  with g.graph.as_default():
-    writer = tf.summary.FileWriter(eval_dir, g.graph)
+  # Made with the first result: no eval_dir for a checkpoint_dir without a
+  # checkpoint (a mistyped one, say).
+  writers = []
+
+  def evaluate_once(path: str) -> float:
+    if not writers:
+      with g.graph.as_default():
+        writers.append(tf.summary.FileWriter(eval_dir, g.graph))
+    return evaluate_checkpoint(g, path, writers[0]).precision
+
   try:
-    return common.evaluate_checkpoints(
-        lambda path: evaluate_checkpoint(g, path, writer).precision,
-        checkpoint_dir, eval_interval_secs, run_once)
+    return common.evaluate_checkpoints(evaluate_once, checkpoint_dir,
+                                       eval_interval_secs, run_once)
   finally:
-    writer.close()
+    for writer in writers:
+      writer.close()
 
 
 FLAGS = flags.FLAGS
@@ -190,14 +213,13 @@ def define_flags() -> None:
   flags.DEFINE_integer("batch_size", 128, "Images per evaluation batch.")
   flags.DEFINE_boolean("run_once", False, "Evaluate the latest checkpoint "
                        "once and exit.")
+  common.register_flag_checks(
+      BOUNDS, directories=["checkpoint_dir", "data_dir", "eval_dir"])
 
 
 def main(argv):
-  if FLAGS.num_examples < 1:
-    raise app.UsageError("--num_examples must be positive, got %d"
-                         % FLAGS.num_examples)
   expected = (common.DownloadError, cifar10_data.CorruptDataError,
-              FileNotFoundError)
+              FileNotFoundError, common.FlagError)
   return common.run_main(argv, lambda: evaluate(
       data_dir=FLAGS.data_dir, checkpoint_dir=FLAGS.checkpoint_dir,
       eval_dir=FLAGS.eval_dir, num_examples=FLAGS.num_examples,

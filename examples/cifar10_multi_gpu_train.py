@@ -27,11 +27,25 @@ late with several GPUs).
 
 Every --log_frequency steps the tutorial's line is logged, ``step %d, loss =
 %.2f (%.1f examples/sec; %.3f sec/batch)``, with the mean loss over the
-towers; a NaN loss stops training. Checkpoints (every
---save_checkpoint_steps and at the last step) and summaries (the final
-tower's, the learning rate, variable and gradient histograms) go to
---train_dir; rerunning with the same --train_dir resumes from its latest
-checkpoint. Nothing there is ever deleted (the tutorial wiped it).
+towers; a NaN loss stops training. A flag out of range (``--batch_size=0``)
+or a --train_dir that is a file stops the script at once with one line
+naming the flag.
+
+Checkpoints (every --save_checkpoint_steps and at the last step) and
+summaries (the final tower's, the learning rate, variable and gradient
+histograms) go to --train_dir; rerunning with the same --train_dir resumes
+from its latest checkpoint, and when that is already at --max_steps the
+script says so and exits 0 without training. SIGTERM or SIGINT (Ctrl-C)
+saves a checkpoint and exits with 128 + the signal's number (143, 130); a
+second one kills at once. A second trainer on the same --train_dir is
+refused (``train.lock`` names the holder's pid), and so is a directory whose
+checkpoints it cannot safely resume from (the ``checkpoint`` state file
+missing, unreadable or naming another directory, or the latest checkpoint
+corrupt): the error names the newest intact checkpoint and the one-line
+``echo 'model_checkpoint_path: "model.ckpt-N"' > DIR/checkpoint`` that
+resumes from it. Nothing there is deleted (the tutorial wiped it) but the
+Saver's leftover ``model.ckpt-N_temp/`` folders and the checkpoints it
+rotates out.
 """
 
 import collections
@@ -69,6 +83,20 @@ Fields:
     variable and averaged-gradient histograms).
   towers: the `towers.Towers` built.
 """
+
+
+# The bounds of `train`'s numeric arguments and of the flags of the same
+# names, checked before anything is built (`common.check_args`).
+BOUNDS = {
+    "num_gpus": dict(at_least=1),
+    "batch_size": dict(at_least=1),
+    "max_steps": dict(at_least=0),
+    "log_frequency": dict(at_least=1),
+    "save_checkpoint_steps": dict(at_least=1),
+    "save_summaries_steps": dict(at_least=0),
+    "initial_learning_rate": dict(above=0),
+    "shuffle_buffer": dict(at_least=1),
+}
 
 
 def learning_rate(global_step: tf.Tensor, examples_per_step: int,
@@ -171,6 +199,11 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
           urls: Sequence[str] = cifar10_data.URLS) -> int:
   """Trains until the global step reaches `max_steps`; returns that step.
 
+  Resumes from the latest checkpoint in `train_dir` once
+  `common.prepare_train_dir` has locked and checked it; if that checkpoint
+  is already at `max_steps`, nothing is trained. SIGTERM or SIGINT stops
+  training after a final checkpoint (`common.run_training`).
+
   Args:
     data_dir: holds (or receives) ``cifar-10-batches-bin/``; unused with
       `fake_data`.
@@ -193,11 +226,29 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     The global step reached.
 
   Raises:
+    common.FlagError: for an argument out of its `BOUNDS`, or a directory
+      that is a file; common.DeviceError (one) if a session lacks a tower
+      device.
+    common.TrainDirError: if `train_dir` is in use by another trainer, or
+      holds checkpoints it cannot safely resume from
+      (`common.prepare_train_dir`).
+    common.Interrupted: after SIGTERM or SIGINT, once the checkpoint is
+      saved.
     common.DownloadError: if the data are absent and cannot be downloaded.
     cifar10_data.CorruptDataError: if a data file is truncated or corrupt.
     FileNotFoundError: if a batch file is missing from the data directory.
     FloatingPointError: if the loss becomes NaN.
   """
+  common.check_args(
+      BOUNDS, num_gpus=num_gpus, batch_size=batch_size, max_steps=max_steps,
+      log_frequency=log_frequency,
+      save_checkpoint_steps=save_checkpoint_steps,
+      save_summaries_steps=save_summaries_steps,
+      initial_learning_rate=initial_learning_rate,
+      shuffle_buffer=shuffle_buffer)
+  common.check_dir("train_dir", train_dir)
+  common.check_dir("data_dir", data_dir)
+  devices, config = common.tower_setup(num_gpus, log_device_placement)
   if fake_data:
     logging.info("--fake_data: training on synthetic random images; the "
                  "examples/sec are real, the loss means nothing")
@@ -209,23 +260,30 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     examples_per_epoch = cifar10_data.check_files(train_files)
     logging.info("Training on the %d images of %s", examples_per_epoch,
                  ", ".join(train_files))
-  devices, config = common.tower_setup(num_gpus, log_device_placement)
-  logging.info("%d towers x %d examples = %d examples per step", num_gpus,
-               batch_size, num_gpus * batch_size)
-  with tf.Graph().as_default():
-    g = build_train_graph(devices=devices, batch_size=batch_size,
-                          train_files=train_files,
-                          examples_per_epoch=examples_per_epoch,
-                          initial_learning_rate=initial_learning_rate,
-                          shuffle_buffer=shuffle_buffer)
-    with tf.device(CPU):  # The saver, as in the tutorial.
-      return common.run_training(
-          g.train_op, g.loss, g.global_step, g.summary_op,
-          train_dir=train_dir, max_steps=max_steps,
-          examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
-          config=config, log_every=log_frequency,
-          save_checkpoint_steps=save_checkpoint_steps,
-          save_summaries_steps=save_summaries_steps)
+  common.log_batch(num_gpus, batch_size, max_steps, examples_per_epoch)
+  state = common.prepare_train_dir(train_dir)
+  with state.lock:
+    done = state.global_step or 0
+    if done >= max_steps:
+      logging.info(
+          "Nothing to train: %s is at global step %d and --max_steps=%d "
+          "(raise --max_steps to train on)",
+          state.checkpoint or "--train_dir=" + train_dir, done, max_steps)
+      return done
+    with tf.Graph().as_default():
+      g = build_train_graph(devices=devices, batch_size=batch_size,
+                            train_files=train_files,
+                            examples_per_epoch=examples_per_epoch,
+                            initial_learning_rate=initial_learning_rate,
+                            shuffle_buffer=shuffle_buffer)
+      with tf.device(CPU):  # The saver, as in the tutorial.
+        return common.run_training(
+            g.train_op, g.loss, g.global_step, g.summary_op,
+            train_dir=train_dir, max_steps=max_steps,
+            examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
+            config=config, log_every=log_frequency,
+            save_checkpoint_steps=save_checkpoint_steps,
+            save_summaries_steps=save_summaries_steps)
 
 
 FLAGS = flags.FLAGS
@@ -250,12 +308,14 @@ def define_flags() -> None:
   flags.DEFINE_integer("save_checkpoint_steps", 1000, "Steps between "
                        "checkpoints (the last step is always saved).")
   flags.DEFINE_integer("save_summaries_steps", 100, "Steps between "
-                       "summaries.")
+                       "summaries (0: none).")
+  common.register_flag_checks(BOUNDS, directories=["train_dir", "data_dir"])
 
 
 def main(argv):
   expected = (common.DownloadError, cifar10_data.CorruptDataError,
-              FileNotFoundError, FloatingPointError)
+              FileNotFoundError, FloatingPointError, common.FlagError,
+              common.TrainDirError)
   return common.run_main(argv, lambda: train(
       data_dir=FLAGS.data_dir, train_dir=FLAGS.train_dir,
       num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,

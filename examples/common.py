@@ -1,23 +1,107 @@
 """What the MNIST and CIFAR-10 examples share.
 
-Devices (GPUs, or virtual CPUs with one log line saying so), the training
-loop with the original tutorial's log line, NaN stop, checkpoints, summaries
-and resume, the evaluation schedule, and cached, hash-checked downloads.
-Example code, not part of the `towers` library.
+Devices (GPUs, or virtual CPUs with one log line saying so), flag checks,
+the training directory's checks and lock, the training loop with the
+original tutorial's log line, NaN stop, checkpoints, summaries, resume and
+a checkpoint on SIGTERM/SIGINT, the evaluation schedule, and cached,
+hash-checked downloads. Example code, not part of the `towers` library.
 """
 
+import collections
+import fcntl
 import hashlib
 import math
 import os
+import re
+import shlex
+import shutil
+import signal
+import threading
 import time
 import urllib.request
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import (Callable, Iterable, List, Mapping, Optional, Sequence,
+                    Tuple)
 
 from absl import app
+from absl import flags
 from absl import logging
 import tensorflow.compat.v1 as tf
 
 import towers
+
+
+class FlagError(ValueError):
+  """A flag, or the `train`/`evaluate` argument of the same name, is wrong."""
+
+
+class DeviceError(FlagError):
+  """The session lacks a tower device; the message names it and the fix."""
+
+
+# Bounds, by keyword: the value must be >= at_least, > above, <= at_most and
+# < below (each only when given).
+Bounds = Mapping[str, float]
+
+
+def _describe(bounds: Bounds) -> str:
+  words = {"at_least": ">=", "above": ">", "at_most": "<=", "below": "<"}
+  return " and ".join("%s %s" % (words[k], bounds[k]) for k in words
+                      if k in bounds)
+
+
+def _in_bounds(value, bounds: Bounds) -> bool:
+  return (("at_least" not in bounds or value >= bounds["at_least"]) and
+          ("above" not in bounds or value > bounds["above"]) and
+          ("at_most" not in bounds or value <= bounds["at_most"]) and
+          ("below" not in bounds or value < bounds["below"]))
+
+
+def check_args(bounds: Mapping[str, Bounds], **args) -> None:
+  """Checks `train`/`evaluate` arguments against a script's flag bounds.
+
+  Each argument is named like its flag, so the error names the flag. None
+  passes (it means "not set" for the optional flags).
+
+  Raises:
+    FlagError: for the first argument out of its bounds, e.g. ``--batch_size=0
+      must be >= 1``.
+  """
+  for name, value in args.items():
+    if value is not None and not _in_bounds(value, bounds[name]):
+      raise FlagError("--%s=%s must be %s" % (name, value,
+                                              _describe(bounds[name])))
+
+
+def check_dir(name: str, path: Optional[str]) -> None:
+  """Checks that the directory flag `name` is a directory or absent yet.
+
+  Raises:
+    FlagError: if `path` exists and is not a directory.
+  """
+  if path is not None and os.path.exists(path) and not os.path.isdir(path):
+    raise FlagError("--%s=%s is a file, not a directory: point --%s at a "
+                    "directory (it is created if absent)" % (name, path, name))
+
+
+def register_flag_checks(bounds: Mapping[str, Bounds],
+                         directories: Sequence[str] = ()) -> None:
+  """Has absl check the script's flags when it parses them.
+
+  A flag out of its `bounds`, or a directory flag naming a file, then stops
+  the script before anything is built, with one line naming the flag
+  (``flag --batch_size=0: must be >= 1``). Only flags that are defined are
+  checked: `bounds` may also hold `train` arguments that are not flags.
+  """
+  for name, b in bounds.items():
+    if name in flags.FLAGS:
+      flags.register_validator(
+          name, lambda v, b=b: v is None or _in_bounds(v, b),
+          message="must be %s" % _describe(b))
+  for name in directories:
+    flags.register_validator(
+        name, lambda p: not p or not os.path.exists(p) or os.path.isdir(p),
+        message="is a file, not a directory: point it at a directory (it is "
+        "created if absent)")
 
 
 def tower_setup(num_gpus: int, log_device_placement: bool = False
@@ -25,7 +109,11 @@ def tower_setup(num_gpus: int, log_device_placement: bool = False
   """Returns the tower devices and the session config for `num_gpus` towers.
 
   GPUs when that many are visible; else as many virtual CPU devices, with one
-  log line saying so.
+  log line saying so. Checks that a session made with the config has every
+  tower device (see `check_devices`).
+
+  Raises:
+    DeviceError: if it does not.
   """
   devices = towers.tower_devices(num_gpus)
   if devices[0].startswith("/gpu"):
@@ -38,7 +126,49 @@ def tower_setup(num_gpus: int, log_device_placement: bool = False
         "cores)", num_gpus, ", ".join(devices))
     config = towers.virtual_cpu_config(
         num_gpus, log_device_placement=log_device_placement)
+  check_devices(devices, config)
   return devices, config
+
+
+def check_devices(devices: Sequence[str], config: tf.ConfigProto) -> None:
+  """Checks that a session made with `config` has each of `devices`.
+
+  Without this, a missing tower device fails at the first step with
+  TensorFlow's "Cannot assign a device", or, with soft placement, is
+  silently replaced by another device.
+
+  Raises:
+    DeviceError: naming the missing devices, those the session has, and the
+      fix.
+  """
+  with tf.Graph().as_default(), tf.Session(config=config) as sess:
+    present = [tf.DeviceSpec.from_string(d.name) for d in sess.list_devices()]
+  have = {(d.device_type.upper(), d.device_index) for d in present}
+  missing = []
+  for device in devices:
+    spec = tf.DeviceSpec.from_string(device)
+    if (spec.device_type.upper(), spec.device_index or 0) not in have:
+      missing.append(device)
+  if missing:
+    raise DeviceError(
+        "--num_gpus=%d needs the tower devices %s, which a session of this "
+        "process lacks (it has %s): use fewer --num_gpus, or make the "
+        "session's config with towers.virtual_cpu_config(%d) to run the "
+        "towers on virtual CPU devices"
+        % (len(devices), ", ".join(missing),
+           ", ".join("/%s:%d" % (d.device_type.lower(), d.device_index)
+                     for d in present), len(devices)))
+
+
+def log_batch(num_towers: int, batch_size: int, max_steps: int,
+              examples_per_epoch: int, replicas: int = 1) -> None:
+  """Logs the global batch and how many epochs `max_steps` steps are."""
+  per_step = replicas * num_towers * batch_size
+  workers = "%d workers x " % replicas if replicas > 1 else ""
+  logging.info("%s%d towers x %d examples = %d examples per step; "
+               "--max_steps=%d is %.1f epochs of %d examples", workers,
+               num_towers, batch_size, per_step, max_steps,
+               max_steps * per_step / examples_per_epoch, examples_per_epoch)
 
 
 def training_summaries(t: towers.Towers, learning_rate: tf.Tensor
@@ -128,6 +258,292 @@ class StepLogger(tf.train.SessionRunHook):
                    duration / self._num_towers)
 
 
+# The training directory.
+
+CHECKPOINT_BASENAME = "model.ckpt"  # MonitoredTrainingSession's prefix.
+STATE_FILE = "checkpoint"  # The Saver's list of checkpoints.
+LOCK_FILE = "train.lock"
+_CHECKPOINT_FILE = re.compile(r"^model\.ckpt-(\d+)\.(index|data-.*|meta)$")
+_TEMP_DIR = re.compile(r"^model\.ckpt-\d+_temp$")
+
+
+class TrainDirError(RuntimeError):
+  """--train_dir cannot be trained in as it is; the message says what to do."""
+
+
+TrainDir = collections.namedtuple("TrainDir",
+                                  ["lock", "global_step", "checkpoint"])
+TrainDir.__doc__ = """What `prepare_train_dir` found, and its lock.
+
+Fields:
+  lock: a `TrainDirLock` (a context manager); release it when training ends.
+  global_step: the latest checkpoint's global step; None without one.
+  checkpoint: the latest checkpoint's path; None without one.
+"""
+
+
+class TrainDirLock:
+  """An exclusive lock on a training directory, held until `release`.
+
+  ``fcntl.flock`` on ``train.lock`` in the directory, which holds the
+  holder's pid. The operating system drops the lock when its process ends,
+  however it ends (SIGKILL included), so a lock left by a killed trainer
+  never blocks the next one. The file itself stays (removing it would let
+  two processes lock two different files of that name).
+  """
+
+  def __init__(self, train_dir: Optional[str]):
+    self._file = None
+    if train_dir is None:  # Nothing to lock (a non-chief worker).
+      return
+    path = os.path.join(train_dir, LOCK_FILE)
+    # "a+": opening must not erase the holder's pid before the lock is ours.
+    f = open(path, "a+")
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      f.seek(0)
+      holder = f.read().strip() or "unknown"
+      f.close()
+      raise TrainDirError(
+          "--train_dir=%s is in use by another trainer (pid %s holds %s): "
+          "two trainers in one directory overwrite each other's checkpoints "
+          "and event files; stop that one, or give this one another "
+          "--train_dir" % (train_dir, holder, path)) from None
+    f.seek(0)
+    f.truncate()
+    f.write("%d\n" % os.getpid())
+    f.flush()
+    self._file = f
+
+  def release(self) -> None:
+    if self._file is not None:
+      fcntl.flock(self._file, fcntl.LOCK_UN)
+      self._file.close()
+      self._file = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
+
+
+def prepare_train_dir(train_dir: str, *, is_chief: bool = True) -> TrainDir:
+  """Checks and locks the training directory before a graph is built.
+
+  The chief (a trainer alone is one) creates the directory, locks it
+  (`TrainDirLock`), removes the ``model.ckpt-<N>_temp/`` folders a save
+  killed midway left behind, and checks what the next session would restore:
+
+  - checkpoint files without a readable ``checkpoint`` state file would be
+    ignored (training would start again at step 0 and overwrite them);
+  - a state file naming checkpoints in another directory (written by an
+    older version with absolute paths, in a copied or moved directory)
+    would resume from, then delete, that directory's checkpoints;
+  - a corrupt latest checkpoint (a missing or truncated file, a checksum
+    that does not match: every tensor is read) would fail in the middle of
+    restoring.
+
+  Each is a `TrainDirError` naming the newest intact checkpoint and the
+  one-line command that resumes from it, or saying to start over in another
+  --train_dir. Another worker in a cluster only reads the latest
+  checkpoint's global step, if it can: the chief alone writes the directory.
+
+  Args:
+    train_dir: the training directory.
+    is_chief: whether this process writes `train_dir`.
+
+  Returns:
+    A `TrainDir` holding the lock; release it when training ends.
+
+  Raises:
+    TrainDirError: as above, or if another trainer holds the lock.
+  """
+  if not is_chief:
+    return TrainDir(TrainDirLock(None), _peek_global_step(train_dir), None)
+  os.makedirs(train_dir, exist_ok=True)
+  lock = TrainDirLock(train_dir)
+  try:
+    _remove_temp_dirs(train_dir)
+    checkpoint, step = _latest_intact_checkpoint(train_dir)
+  except BaseException:
+    lock.release()
+    raise
+  return TrainDir(lock, step, checkpoint)
+
+
+def _peek_global_step(train_dir: str) -> Optional[int]:
+  try:
+    path = tf.train.latest_checkpoint(train_dir)
+    return None if path is None else int(
+        tf.train.load_variable(path, "global_step"))
+  except (tf.errors.OpError, ValueError, OSError):
+    return None
+
+
+def _remove_temp_dirs(train_dir: str) -> None:
+  # Only the Saver's own scratch folders, by their exact name; it removes
+  # them itself when a save completes.
+  for name in sorted(os.listdir(train_dir)):
+    path = os.path.join(train_dir, name)
+    if (_TEMP_DIR.match(name) and os.path.isdir(path)
+        and not os.path.islink(path)):
+      shutil.rmtree(path)
+      logging.info("Removed %s, left by a checkpoint save that was "
+                   "interrupted", path)
+
+
+def _steps_on_disk(train_dir: str) -> List[int]:
+  """The global steps of the model.ckpt-<N> files, newest first."""
+  steps = {int(m.group(1)) for m in map(_CHECKPOINT_FILE.match,
+                                        os.listdir(train_dir)) if m}
+  return sorted(steps, reverse=True)
+
+
+def _verify(prefix: str) -> Tuple[Optional[str], Optional[int]]:
+  """Reads every tensor of a checkpoint; returns (what is wrong, step)."""
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+    names = reader.get_variable_to_shape_map()
+    for name in names:
+      reader.get_tensor(name)  # Checks the tensor's checksum.
+    step = int(reader.get_tensor("global_step")) if "global_step" in names \
+        else int(prefix.rsplit("-", 1)[1])
+  except Exception as e:  # pylint: disable=broad-except
+    # The reader reports damage as OpErrors, but also as IndexError ("Read
+    # less bytes than requested") and others: any failure means not intact.
+    lines = str(getattr(e, "message", e)).strip().splitlines() or [
+        type(e).__name__]
+    return lines[0][:200], None
+  return None, step
+
+
+def _newest_intact(train_dir: str, below: Optional[int] = None
+                  ) -> Tuple[Optional[str], Optional[int]]:
+  for step in _steps_on_disk(train_dir):
+    if below is None or step < below:
+      prefix = os.path.join(train_dir, "%s-%d" % (CHECKPOINT_BASENAME, step))
+      problem, global_step = _verify(prefix)
+      if problem is None:
+        return prefix, global_step
+  return None, None
+
+
+def _resume_advice(train_dir: str, intact: Optional[str]) -> str:
+  if intact is None:
+    return ("no earlier checkpoint there is intact: start over with another "
+            "--train_dir")
+  state = os.path.join(train_dir, STATE_FILE)
+  line = 'model_checkpoint_path: "%s"' % os.path.basename(intact)
+  return ("to resume from the newest intact checkpoint, %s, run: echo %s > %s"
+          " ; or start over with another --train_dir"
+          % (os.path.basename(intact), shlex.quote(line), shlex.quote(state)))
+
+
+def _latest_intact_checkpoint(train_dir: str
+                             ) -> Tuple[Optional[str], Optional[int]]:
+  """Returns the checkpoint the session will restore and its global step."""
+  on_disk = _steps_on_disk(train_dir)
+  state_path = os.path.join(train_dir, STATE_FILE)
+  if not os.path.exists(state_path) and not on_disk:
+    return None, None  # A new run.
+  try:
+    state = tf.train.get_checkpoint_state(train_dir)
+  except (ValueError, tf.errors.OpError):
+    state = None
+  if state is None:
+    if not on_disk:
+      return None, None  # An unreadable list of no checkpoint: nothing lost.
+    problem = "is missing" if not os.path.exists(state_path) else (
+        "cannot be read")
+    raise TrainDirError(
+        "--train_dir=%s holds checkpoints (model.ckpt-%d the newest) but its "
+        "state file %s %s, so training would start again at step 0 and "
+        "overwrite them; %s" % (train_dir, on_disk[0], state_path, problem,
+                                _resume_advice(train_dir,
+                                               _newest_intact(train_dir)[0])))
+  here = os.path.realpath(train_dir)
+  paths = [state.model_checkpoint_path] + list(
+      state.all_model_checkpoint_paths)
+  elsewhere = [p for p in paths
+               if os.path.dirname(os.path.realpath(p)) != here]
+  if elsewhere:
+    raise TrainDirError(
+        "the state file %s names checkpoints in another directory (%s): it "
+        "was written with absolute paths by an older version of this script "
+        "and the directory was copied or moved; resuming would read, and "
+        "later delete, that directory's checkpoints. In this directory, %s"
+        % (state_path, elsewhere[0],
+           _resume_advice(train_dir, _newest_intact(train_dir)[0])))
+  latest = state.model_checkpoint_path
+  problem, step = _verify(latest)
+  if problem is not None:
+    try:
+      below = int(latest.rsplit("-", 1)[1])
+    except ValueError:
+      below = None
+    raise TrainDirError(
+        "the latest checkpoint %s is corrupt or incomplete (%s); %s"
+        % (latest, problem,
+           _resume_advice(train_dir, _newest_intact(train_dir, below)[0])))
+  return latest, step
+
+
+class Interrupted(Exception):
+  """Training stopped on SIGTERM or SIGINT, after the chief saved a checkpoint.
+
+  Attributes:
+    signum: the signal's number; a script exits with ``128 + signum``.
+    step: the global step reached (and saved, by the chief).
+  """
+
+  def __init__(self, signum: int, step: int):
+    super().__init__("%s at step %d" % (signal.Signals(signum).name, step))
+    self.signum = signum
+    self.step = step
+
+
+class StopOnSignals:
+  """Turns the first SIGTERM or SIGINT into a request to stop; a context.
+
+  Within the context the first of these signals only sets `received`: the
+  training loop checks it after each step, so the session ends cleanly and
+  the final checkpoint is saved. A second signal kills the process at once
+  (the signal's default action). Handlers can only be installed in the main
+  thread: elsewhere this does nothing. The previous handlers are restored on
+  exit.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received = None  # The first signal's number.
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for signum in self.SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for signum, handler in self._previous.items():
+      # None: a handler not set from Python, which cannot be put back.
+      signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    self._previous.clear()
+
+  def _handle(self, signum, frame):
+    del frame
+    # No logging here: the handler may interrupt a thread holding logging's
+    # lock. The training loop logs once it has stopped.
+    if self.received is None:
+      self.received = signum
+      return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def run_training(train_op: tf.Operation, loss: tf.Tensor,
                  global_step: tf.Tensor, summary_op: Optional[tf.Tensor], *,
                  train_dir: str, max_steps: int, examples_per_step: int,
@@ -144,25 +560,55 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
   Resumes from the latest checkpoint in `train_dir` (the global step goes
   on), saves one every `save_checkpoint_secs` and at the end, and writes
   `summary_op` every `save_summaries_steps`. `save_checkpoint_steps`, when
-  given, replaces the time-based schedule. Nothing is ever deleted.
+  given, replaces the time-based schedule. The ``checkpoint`` state file
+  names checkpoints relative to `train_dir`, so a copied directory resumes
+  from its own. Nothing is ever deleted but the checkpoints the Saver
+  rotates out (it keeps the latest 5).
+
+  SIGTERM or SIGINT (in the main thread) ends training after the current
+  step: the chief saves a checkpoint, one line is logged, and `Interrupted`
+  is raised. A second signal kills at once. Call `prepare_train_dir` first.
+
+  Raises:
+    Interrupted: after a SIGTERM or SIGINT.
+    FloatingPointError: if the loss becomes NaN.
   """
-  scaffold = tf.train.Scaffold(summary_op=summary_op)
+  saver = tf.train.Saver(save_relative_paths=True, sharded=True,
+                         allow_empty=True)
+  scaffold = tf.train.Scaffold(summary_op=summary_op, saver=saver)
   logger = StepLogger(loss, global_step, examples_per_step, num_towers,
                       log_every, count_locally=not master)
   all_hooks = [tf.train.StopAtStepHook(last_step=max_steps), logger]
-  with tf.train.MonitoredTrainingSession(
-      master=master, is_chief=is_chief, checkpoint_dir=train_dir,
-      scaffold=scaffold, hooks=all_hooks + list(hooks),
-      chief_only_hooks=list(chief_only_hooks), config=config,
-      save_checkpoint_secs=None if save_checkpoint_steps else
-      save_checkpoint_secs,
-      save_checkpoint_steps=save_checkpoint_steps,
-      save_summaries_steps=save_summaries_steps if summary_op is not None
-      else None,
-      log_step_count_steps=0,
-      stop_grace_period_secs=stop_grace_period_secs) as sess:
-    while not sess.should_stop():
-      sess.run(train_op)
+  with StopOnSignals() as signals:
+    with tf.train.MonitoredTrainingSession(
+        master=master, is_chief=is_chief, checkpoint_dir=train_dir,
+        scaffold=scaffold, hooks=all_hooks + list(hooks),
+        chief_only_hooks=list(chief_only_hooks), config=config,
+        save_checkpoint_secs=None if save_checkpoint_steps else
+        save_checkpoint_secs,
+        save_checkpoint_steps=save_checkpoint_steps,
+        save_summaries_steps=save_summaries_steps if summary_op is not None
+        else None,
+        log_step_count_steps=0,
+        stop_grace_period_secs=stop_grace_period_secs) as sess:
+      while not sess.should_stop() and signals.received is None:
+        sess.run(train_op)
+    # The session has closed: the chief's final checkpoint is saved. Its
+    # hooks' event writer is cached for the process and flushed only every
+    # 2 minutes: flush it, so the directory is complete on return.
+    if is_chief:
+      tf.summary.FileWriterCache.get(train_dir).flush()
+  if signals.received is not None and logger.step < max_steps:
+    step = logger.step
+    if is_chief:
+      # The step saved: in a cluster the logger's count may lag it by one.
+      saved = tf.train.latest_checkpoint(train_dir)
+      step = int(saved.rsplit("-", 1)[1]) if saved else step
+    logging.info("Received %s at step %d: %s, stopping",
+                 signal.Signals(signals.received).name, step,
+                 "saved a checkpoint" if is_chief else
+                 "the chief saves the checkpoints")
+    raise Interrupted(signals.received, step)
   return logger.step
 
 
@@ -197,13 +643,18 @@ def run_main(argv: Sequence[str], call: Callable[[], object],
              expected: Tuple[type, ...]) -> int:
   """Runs a script's `call`; returns its exit code.
 
-  An `expected` failure (missing data, a corrupt file, a NaN loss...) is
-  logged as its one-line message and gives 1, not a traceback.
+  An `expected` failure (missing data, a corrupt file, a NaN loss, a bad
+  flag, a training directory refused...) is logged as its one-line message
+  and gives 1, not a traceback. Training stopped by a signal gives 128 + the
+  signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a
+  process the signal killed.
   """
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
   try:
     call()
+  except Interrupted as e:
+    return 128 + e.signum
   except expected as e:
     logging.error("%s", e)
     return 1
@@ -252,25 +703,59 @@ def maybe_download(urls: Sequence[str], path: str,
                      "sha256=%r, md5=%r" % (path, sha256, md5))
   if os.path.exists(path):
     return path
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  created = make_dirs(os.path.dirname(path) or ".")
   part = path + ".part"
   errors = []
-  for url in urls:
-    try:
-      _fetch(url, part)
-    except OSError as e:
-      errors.append("%s: %s" % (url, e))
-      continue
-    kind, want = ("SHA-256", sha256) if md5 is None else ("MD5", md5)
-    got = sha256_of(part) if md5 is None else md5_of(part)
-    if got != want:
-      os.remove(part)
-      errors.append("%s: %s %s, expected %s" % (url, kind, got, want))
-      continue
-    os.replace(part, path)
-    return path
+  try:
+    for url in urls:
+      try:
+        _fetch(url, part)
+      except OSError as e:
+        errors.append("%s: %s" % (url, e))
+        continue
+      kind, want = ("SHA-256", sha256) if md5 is None else ("MD5", md5)
+      got = sha256_of(part) if md5 is None else md5_of(part)
+      if got != want:
+        os.remove(part)
+        errors.append("%s: %s %s, expected %s" % (url, kind, got, want))
+        continue
+      os.replace(part, path)
+      created = []  # Success: the directories stay.
+      return path
+  finally:
+    if os.path.exists(part):
+      os.remove(part)  # A download that failed or was interrupted.
+    remove_empty_dirs(created)
   raise DownloadError("could not download %s (%s)"
                       % (os.path.basename(path), "; ".join(errors)))
+
+
+def make_dirs(path: str) -> List[str]:
+  """Creates `path` and its missing parents; returns those it created.
+
+  Deepest last, for `remove_empty_dirs` to undo on failure.
+  """
+  missing = []
+  head = os.path.abspath(path)
+  while not os.path.exists(head):
+    missing.append(head)
+    head = os.path.dirname(head)
+  os.makedirs(path, exist_ok=True)
+  return missing[::-1]
+
+
+def remove_empty_dirs(created: Sequence[str]) -> None:
+  """Removes the directories `make_dirs` created, deepest first, if empty.
+
+  Only those, and only when empty (``os.rmdir`` refuses a directory with
+  anything in it): a failure leaves nothing of its own behind, and never
+  removes anything of the user's.
+  """
+  for directory in reversed(created):
+    try:
+      os.rmdir(directory)
+    except OSError:
+      return  # Not empty (nor then its parents), or already gone.
 
 
 def _fetch(url: str, part: str) -> None:

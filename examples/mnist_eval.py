@@ -9,8 +9,10 @@ Restores the latest checkpoint of a training run (any number of towers: the
 variables keep single-device names) into the single-device model, runs the
 test split exactly once (the last batch may be partial), and logs
 ``precision @ 1 = 0.dddd`` (a fraction), also written as a summary to
---eval_dir (default: the checkpoint directory's ``eval/``). Pixels are
-scaled by the same `mnist_data.normalize` as in training.
+--eval_dir (default: the checkpoint directory's ``eval/``, made only once
+there is a checkpoint to evaluate). Pixels are scaled by the same
+`mnist_data.normalize` as in training. A flag out of range
+(``--batch_size=0``) stops the script with one line naming it.
 """
 
 import collections
@@ -39,6 +41,13 @@ Fields:
   checkpoint: the checkpoint's path.
 """
 
+# The bounds of `evaluate`'s numeric arguments and of the flags of the same
+# names (`common.check_args`).
+BOUNDS = {
+    "batch_size": dict(at_least=1),
+    "eval_interval_secs": dict(above=0),
+}
+
 
 def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
              dataset: str = "mnist", eval_dir: Optional[str] = None,
@@ -65,10 +74,17 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
     With `run_once`, an `EvalResult`; otherwise it never returns.
 
   Raises:
+    common.FlagError: for an argument out of its `BOUNDS`, or a directory
+      that is a file.
     FileNotFoundError: with `run_once`, if there is no checkpoint.
     mnist_data.MissingDataError, mnist_data.IdxError: as `find_split`.
     RuntimeError: if the pass did not count every test image exactly once.
   """
+  common.check_args(BOUNDS, batch_size=batch_size,
+                    eval_interval_secs=eval_interval_secs)
+  for name, path in (("checkpoint_dir", checkpoint_dir),
+                     ("data_dir", data_dir), ("eval_dir", eval_dir)):
+    common.check_dir(name, path)
   if data_dir is None:
     data_dir = mnist_data.default_data_dir(dataset)
   if eval_dir is None:
@@ -86,7 +102,9 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
                                     tf.int64))
     count = tf.size(labels, out_type=tf.int64)
     saver = tf.train.Saver()
-    writer = tf.summary.FileWriter(eval_dir)
+    # Made with the first result: no eval_dir for a checkpoint_dir without
+    # a checkpoint (a mistyped one, say).
+    writers = []
 
     def evaluate_once(checkpoint: str) -> EvalResult:
       with tf.Session() as sess:
@@ -111,8 +129,10 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
                    step, precision, num_correct, num_examples)
       summary = tf.Summary()
       summary.value.add(tag="precision @ 1", simple_value=precision)
-      writer.add_summary(summary, step)
-      writer.flush()
+      if not writers:
+        writers.append(tf.summary.FileWriter(eval_dir))
+      writers[0].add_summary(summary, step)
+      writers[0].flush()
       return EvalResult(precision, num_correct, num_examples, step,
                         checkpoint)
 
@@ -120,7 +140,8 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
       return common.evaluate_checkpoints(evaluate_once, checkpoint_dir,
                                          eval_interval_secs, run_once)
     finally:
-      writer.close()
+      for writer in writers:
+        writer.close()
 
 
 FLAGS = flags.FLAGS
@@ -145,10 +166,12 @@ def define_flags() -> None:
   flags.DEFINE_list("mirrors", list(mnist_data.MNIST_MIRRORS), "Base URLs "
                     "to download missing MNIST files from (comma "
                     "separated; empty for no download).")
+  common.register_flag_checks(
+      BOUNDS, directories=["checkpoint_dir", "data_dir", "eval_dir"])
 
 
 def main(argv):
-  expected = (mnist_data.DataError, FileNotFoundError)
+  expected = (mnist_data.DataError, FileNotFoundError, common.FlagError)
   return common.run_main(argv, lambda: evaluate(
       checkpoint_dir=FLAGS.checkpoint_dir, data_dir=FLAGS.data_dir,
       dataset=FLAGS.dataset, eval_dir=FLAGS.eval_dir,

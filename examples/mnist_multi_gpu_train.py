@@ -24,10 +24,24 @@ of towers; pixels scaled alike in training and evaluation; the final step
 checkpointed; restarts resume from the last checkpoint.
 
 Flags: --num_gpus towers, each taking --batch_size examples per step (the
-global batch is batch_size x num_gpus); the log line every --log_frequency
-steps is the original's ``step %d, loss = %.2f (%.1f examples/sec; %.3f
-sec/batch)``. Restarting with the same --train_dir resumes; nothing there is
-ever deleted.
+global batch is batch_size x num_gpus, logged at start with the epochs
+--max_steps means); the log line every --log_frequency steps is the
+original's ``step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)``.
+A flag out of range (``--batch_size=0``) or a --train_dir that is a file
+stops the script at once with one line naming the flag.
+
+The training directory: restarting with the same --train_dir resumes from
+its latest checkpoint; when that is already at --max_steps the script says
+so and exits 0 without training. SIGTERM or SIGINT (Ctrl-C) saves a
+checkpoint and exits with 128 + the signal's number (143, 130); a second
+one kills at once. A second trainer on the same --train_dir is refused (a
+lock, ``train.lock``, names the holder's pid), and so is a directory whose
+checkpoints it cannot safely resume from (the ``checkpoint`` state file
+missing or unreadable, naming another directory, or the latest checkpoint
+corrupt): the error names the newest intact checkpoint and the one-line
+``echo 'model_checkpoint_path: "model.ckpt-N"' > DIR/checkpoint`` that
+resumes from it. Nothing there is deleted but the Saver's leftover
+``model.ckpt-N_temp/`` folders and the checkpoints it rotates out.
 """
 
 import collections
@@ -64,6 +78,28 @@ Fields:
   optimizer: the optimizer that applies the step (its session hook, for a
     ``tf.train.SyncReplicasOptimizer``).
 """
+
+
+# The bounds of `train`'s numeric arguments and of the flags of the same
+# names, checked before anything is built (`common.check_args`).
+BOUNDS = {
+    "num_gpus": dict(at_least=1),
+    "batch_size": dict(at_least=1),
+    "max_steps": dict(at_least=0),
+    "learning_rate": dict(above=0),
+    "momentum": dict(at_least=0, below=1),
+    "learning_rate_decay": dict(above=0, at_most=1),
+    "epochs_per_decay": dict(above=0),
+    "weight_decay": dict(at_least=0),
+    "dropout_rate": dict(at_least=0, below=1),
+    "log_frequency": dict(at_least=1),
+    "save_checkpoint_secs": dict(at_least=1),
+    "save_checkpoint_steps": dict(at_least=1),
+    "save_summaries_steps": dict(at_least=0),
+    "task_index": dict(at_least=0),
+    "replicas_to_aggregate": dict(at_least=1),
+    "startup_timeout_secs": dict(above=0),
+}
 
 
 def build_train_graph(*, devices: Sequence[str], batch_size: int,
@@ -186,7 +222,10 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
 
   Checkpoints (every `save_checkpoint_secs`, or `save_checkpoint_steps`,
   and at the final step) and summaries go to `train_dir`; a run with the
-  same `train_dir` resumes from its latest checkpoint.
+  same `train_dir` resumes from its latest checkpoint, after
+  `common.prepare_train_dir` has locked and checked it. If that checkpoint
+  is already at `max_steps`, nothing is trained. SIGTERM or SIGINT stops
+  training after a final checkpoint (`common.run_training`).
 
   With `ps_hosts` and `worker_hosts` this process is one task of a cluster
   (between-graph replication, docs/distributed.md): a parameter server
@@ -228,12 +267,32 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     The global step reached.
 
   Raises:
+    common.FlagError: for an argument out of its `BOUNDS`, or a directory
+      that is a file; common.DeviceError (one) if a session lacks a tower
+      device.
+    common.TrainDirError: if `train_dir` is in use by another trainer, or
+      holds checkpoints it cannot safely resume from.
+    common.Interrupted: after SIGTERM or SIGINT, once the checkpoint is
+      saved.
     mnist_data.MissingDataError: if the data is absent and not downloadable.
     mnist_data.IdxError: if a data file is corrupt.
     FloatingPointError: if the loss becomes NaN.
     cluster.ClusterError, TimeoutError: for cluster flags that are wrong or
       disagree with the chief's, or tasks that cannot be reached.
   """
+  common.check_args(
+      BOUNDS, num_gpus=num_gpus, batch_size=batch_size, max_steps=max_steps,
+      learning_rate=learning_rate, momentum=momentum,
+      learning_rate_decay=learning_rate_decay,
+      epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
+      dropout_rate=dropout_rate, log_frequency=log_frequency,
+      save_checkpoint_secs=save_checkpoint_secs,
+      save_checkpoint_steps=save_checkpoint_steps,
+      save_summaries_steps=save_summaries_steps, task_index=task_index,
+      replicas_to_aggregate=replicas_to_aggregate,
+      startup_timeout_secs=startup_timeout_secs)
+  common.check_dir("train_dir", train_dir)
+  common.check_dir("data_dir", data_dir)
   distributed = bool(ps_hosts or worker_hosts)
   replicas = 1
   if distributed:
@@ -252,6 +311,12 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       seed += task_index  # Each worker its own shuffle order.
   if data_dir is None:
     data_dir = mnist_data.default_data_dir(dataset)
+  setter, session_kwargs = None, {}
+  if distributed:
+    devices = towers.tower_devices(num_gpus, task=task.worker_device)
+    config = task.config
+  else:
+    devices, config = common.tower_setup(num_gpus, log_device_placement)
   if fake_data:
     logging.info("--fake_data: training on synthetic images (one random "
                  "batch); the examples/sec are real, the loss and "
@@ -261,47 +326,56 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   else:
     train_files = mnist_data.find_split(data_dir, "train", dataset, mirrors)
     num_examples = train_files[0].count
-  setter, session_kwargs = None, {}
-  if distributed:
-    devices = towers.tower_devices(num_gpus, task=task.worker_device)
-    config = task.config
-    setter = cluster.device_setter(task)
-    graph_kwargs = dict(
-        variable_device=setter, average_device=task.worker_device + "/cpu:0",
-        wrap_optimizer=lambda opt: tf.train.SyncReplicasOptimizer(
-            opt, replicas_to_aggregate=replicas,
-            total_num_replicas=task.num_workers),
-        replicas=replicas)
-    # When the chief stops, its queue runner is still waiting for gradients
-    # no worker will send; a short grace period closes the session on it.
-    session_kwargs = dict(master=task.server.target, is_chief=task.is_chief,
-                          stop_grace_period_secs=5)
-  else:
-    devices, config = common.tower_setup(num_gpus, log_device_placement)
-    graph_kwargs = dict(variable_device=variable_device)
-  # In a cluster the setter around the whole graph puts the step counter
-  # and the optimizer's slots on the parameter servers and everything else
-  # on this worker; the towers use it for their variables.
-  with tf.Graph().as_default(), (
-      tf.device(setter) if setter else contextlib.nullcontext()):
-    g = build_train_graph(
-        devices=devices, batch_size=batch_size, train_files=train_files,
-        num_examples=num_examples, learning_rate=learning_rate,
-        momentum=momentum, learning_rate_decay=learning_rate_decay,
-        epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
-        dropout_rate=dropout_rate, seed=seed, **graph_kwargs)
+  common.log_batch(num_gpus, batch_size, max_steps, num_examples, replicas)
+  is_chief = not distributed or task.is_chief
+  state = common.prepare_train_dir(train_dir, is_chief=is_chief)
+  with state.lock:
+    done = state.global_step or 0
+    if done >= max_steps:
+      logging.info(
+          "Nothing to train: %s is at global step %d and --max_steps=%d "
+          "(raise --max_steps to train on)",
+          state.checkpoint or "--train_dir=" + train_dir, done, max_steps)
+      return done
     if distributed:
-      session_kwargs["hooks"] = [
-          g.optimizer.make_session_run_hook(task.is_chief)]
-      if not task.is_chief:
-        cluster.wait_for_model(task.server.target, config)
-    return common.run_training(
-        g.train_op, g.loss, g.global_step, g.summary_op, train_dir=train_dir,
-        max_steps=max_steps, examples_per_step=batch_size * num_gpus,
-        num_towers=num_gpus, config=config, log_every=log_frequency,
-        save_checkpoint_secs=save_checkpoint_secs,
-        save_checkpoint_steps=save_checkpoint_steps,
-        save_summaries_steps=save_summaries_steps, **session_kwargs)
+      setter = cluster.device_setter(task)
+      graph_kwargs = dict(
+          variable_device=setter,
+          average_device=task.worker_device + "/cpu:0",
+          wrap_optimizer=lambda opt: tf.train.SyncReplicasOptimizer(
+              opt, replicas_to_aggregate=replicas,
+              total_num_replicas=task.num_workers),
+          replicas=replicas)
+      # The chief's token queue runner has no Python way to stop (see
+      # cluster.sync_replicas_hook): a short grace period is enough.
+      session_kwargs = dict(master=task.server.target,
+                            is_chief=task.is_chief, stop_grace_period_secs=5)
+    else:
+      graph_kwargs = dict(variable_device=variable_device)
+    # In a cluster the setter around the whole graph puts the step counter
+    # and the optimizer's slots on the parameter servers and everything
+    # else on this worker; the towers use it for their variables.
+    with tf.Graph().as_default(), (
+        tf.device(setter) if setter else contextlib.nullcontext()):
+      g = build_train_graph(
+          devices=devices, batch_size=batch_size, train_files=train_files,
+          num_examples=num_examples, learning_rate=learning_rate,
+          momentum=momentum, learning_rate_decay=learning_rate_decay,
+          epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
+          dropout_rate=dropout_rate, seed=seed, **graph_kwargs)
+      if distributed:
+        session_kwargs["hooks"] = [
+            cluster.sync_replicas_hook(g.optimizer, task.is_chief)]
+        if not task.is_chief:
+          cluster.wait_for_model(task.server.target, config)
+      return common.run_training(
+          g.train_op, g.loss, g.global_step, g.summary_op,
+          train_dir=train_dir, max_steps=max_steps,
+          examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
+          config=config, log_every=log_frequency,
+          save_checkpoint_secs=save_checkpoint_secs,
+          save_checkpoint_steps=save_checkpoint_steps,
+          save_summaries_steps=save_summaries_steps, **session_kwargs)
 
 
 FLAGS = flags.FLAGS
@@ -344,7 +418,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("save_checkpoint_steps", None, "Steps between "
                        "checkpoints; replaces --save_checkpoint_secs.")
   flags.DEFINE_integer("save_summaries_steps", 100, "Steps between "
-                       "summaries.")
+                       "summaries (0: none).")
   flags.DEFINE_integer("seed", None, "Random seed of the initial "
                        "weights, dropout and shuffle (default: random).")
   flags.DEFINE_list("ps_hosts", [], "Parameter servers' host:port list, "
@@ -364,11 +438,12 @@ def define_flags() -> None:
   flags.DEFINE_list("mirrors", list(mnist_data.MNIST_MIRRORS), "Base URLs "
                     "to download missing MNIST files from (comma "
                     "separated; empty for no download).")
+  common.register_flag_checks(BOUNDS, directories=["train_dir", "data_dir"])
 
 
 def main(argv):
   expected = (mnist_data.DataError, FloatingPointError, cluster.ClusterError,
-              TimeoutError)
+              TimeoutError, common.FlagError, common.TrainDirError)
   return common.run_main(argv, lambda: train(
       train_dir=FLAGS.train_dir, data_dir=FLAGS.data_dir, dataset=FLAGS.dataset,
       num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,

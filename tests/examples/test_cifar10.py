@@ -12,8 +12,10 @@ import logging as py_logging
 import os
 import re
 import shutil
+import signal
 import tarfile
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -335,6 +337,13 @@ def test_offline_message_names_data_dir_and_fake_data(tmp_path):
   assert not os.path.exists(tmp_path / cifar10_data.TARBALL)
 
 
+def test_a_failed_download_leaves_no_directory_behind(tmp_path):
+  with pytest.raises(common.DownloadError):
+    cifar10_data.maybe_download_and_extract(str(tmp_path / "new" / "data"),
+                                            [OFFLINE_URL])
+  assert os.listdir(str(tmp_path)) == []  # Neither new/ nor new/data/.
+
+
 def test_download_is_hash_checked_extracted_and_read(tmp_path,
                                                      loopback_server):
   url, served = loopback_server
@@ -452,6 +461,77 @@ def test_fake_data_needs_no_files_and_a_nan_loss_stops_training(tmp_path):
   assert not os.path.exists(tmp_path / "absent")
 
 
+def _train(data_dir, train_dir, max_steps, **kwargs):
+  return cifar10_multi_gpu_train.train(
+      data_dir=data_dir, train_dir=train_dir, num_gpus=NUM_TOWERS,
+      batch_size=BATCH, max_steps=max_steps,
+      initial_learning_rate=LEARNING_RATE, urls=[OFFLINE_URL], **kwargs)
+
+
+def test_a_finished_job_trains_no_step_and_paths_are_relative(
+    trained, data_dir, tmp_path):
+  train_dir = str(tmp_path / "train")
+  shutil.copytree(trained[0], train_dir)
+  with open(os.path.join(train_dir, "checkpoint")) as f:
+    assert 'model_checkpoint_path: "model.ckpt-%d"' % TRAIN_STEPS in f.read()
+  before = sorted(os.listdir(train_dir))
+  with _Messages() as log:
+    assert _train(data_dir, train_dir, TRAIN_STEPS) == TRAIN_STEPS
+  assert any(m.startswith("Nothing to train") for m in log.messages)
+  assert sorted(os.listdir(train_dir)) == before
+
+
+def test_a_second_trainer_on_the_same_train_dir_is_refused(trained, data_dir,
+                                                           tmp_path):
+  train_dir = str(tmp_path / "train")
+  shutil.copytree(trained[0], train_dir)
+  with common.prepare_train_dir(train_dir).lock:
+    with pytest.raises(common.TrainDirError, match="pid %d" % os.getpid()):
+      _train(data_dir, train_dir, TRAIN_STEPS + 1)
+
+
+@pytest.mark.parametrize("args,words", [
+    (dict(batch_size=-4), "--batch_size=-4 must be >= 1"),
+    (dict(num_gpus=0), "--num_gpus=0 must be >= 1"),
+    (dict(save_checkpoint_steps=0), "--save_checkpoint_steps=0 must be"),
+])
+def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
+  with pytest.raises(common.FlagError, match=re.escape(words)):
+    cifar10_multi_gpu_train.train(
+        data_dir=str(tmp_path / "data"), train_dir=str(tmp_path / "train"),
+        fake_data=True, max_steps=5, **args)
+  assert os.listdir(str(tmp_path)) == []
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(data_dir, tmp_path):
+  train_dir = str(tmp_path / "train")
+  done = threading.Event()
+  with _Messages() as log:
+
+    def send():
+      deadline = time.time() + 120
+      while not any(m.startswith("step 2,") for m in log.messages):
+        if done.is_set() or time.time() > deadline:
+          return
+        time.sleep(0.05)
+      if not done.is_set():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    try:
+      with pytest.raises(common.Interrupted) as stopped:
+        _train(data_dir, train_dir, 100000, log_frequency=1)
+    finally:
+      done.set()
+      thread.join()
+  assert stopped.value.signum == signal.SIGTERM
+  assert tf.train.load_variable(train_dir, "global_step") == (
+      stopped.value.step)
+  assert ("Received SIGTERM at step %d: saved a checkpoint, stopping"
+          % stopped.value.step) in log.messages
+
+
 def test_learning_rate_falls_tenfold_every_350_epochs_of_examples():
   with tf.Graph().as_default():
     step = tf.placeholder(tf.int64, [])
@@ -545,3 +625,4 @@ def test_eval_without_a_checkpoint_says_train_first(data_dir, tmp_path):
                           checkpoint_dir=str(tmp_path / "none"),
                           eval_dir=str(tmp_path / "eval"), run_once=True,
                           urls=[OFFLINE_URL])
+  assert not os.path.exists(tmp_path / "eval")  # No event writer yet.

@@ -24,9 +24,11 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
+import common
 import mnist_data
 import mnist_eval
 import mnist_multi_gpu_train as mnist_train
+import towers
 
 EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
                                         "examples"))
@@ -223,6 +225,13 @@ def test_offline_the_error_says_what_to_do(tmp_path):
   assert os.listdir(str(tmp_path)) == []  # No partial file left behind.
 
 
+def test_a_failed_download_leaves_no_directory_behind(tmp_path):
+  data_dir = tmp_path / "new" / "mnist"
+  with pytest.raises(mnist_data.MissingDataError):
+    mnist_data.find_split(str(data_dir), "train", mirrors=OFFLINE)
+  assert os.listdir(str(tmp_path)) == []  # Neither new/ nor new/mnist/.
+
+
 def test_fashion_mnist_is_read_from_disk_only(tmp_path):
   with pytest.raises(mnist_data.MissingDataError,
                      match="apt-get install dataset-fashion-mnist"):
@@ -327,7 +336,10 @@ def test_each_tower_takes_its_own_batch_and_an_epoch_is_shared(tmp_path):
       for _ in range(NUM_TRAIN // 8):
         _, tower0, tower1 = sess.run([graph.train_op] + batches)
         seen.append((tower0[:, 0, 0, 0], tower1[:, 0, 0, 0]))
-  index = lambda pixels: np.rint((pixels + 0.5) * 255).astype(int)
+
+  def index(pixels):
+    return np.rint((pixels + 0.5) * 255).astype(int)
+
   for tower0, tower1 in seen:
     assert not set(index(tower0)) & set(index(tower1))
   # One epoch in 64 / (4 x 2) steps: every example exactly once.
@@ -364,6 +376,9 @@ def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, absl_logs):
   assert checkpoint_step(train_dir) == 6  # The final step is saved.
   logs = absl_logs()
   assert any("virtual CPU devices" in m for m in logs)
+  # The global batch, and the epochs --max_steps means (6 x 8 of 64).
+  assert "2 towers x 4 examples = 8 examples per step; --max_steps=6 is 0.8 " \
+      "epochs of 64 examples" in logs
   assert [int(LOG_LINE.search(m).group(1)) for m in logs
           if LOG_LINE.search(m)] == [2, 4, 6]
   tags = summary_tags(train_dir)
@@ -390,6 +405,7 @@ def test_evaluate_without_a_checkpoint_says_to_train_first(tiny_mnist,
   with pytest.raises(FileNotFoundError, match="train first"):
     mnist_eval.evaluate(checkpoint_dir=str(tmp_path), data_dir=tiny_mnist,
                         run_once=True, mirrors=())
+  assert not os.path.exists(tmp_path / "eval")  # No event writer yet.
 
 
 def test_fake_data_reads_no_file(tmp_path, absl_logs):
@@ -454,6 +470,8 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tiny_mnist, tmp_path):
   assert first.returncode == -signal.SIGKILL
   resumed_from = checkpoint_step(train_dir)
   assert resumed_from >= 6
+  # The killed run's lock file is left, but the lock went with the process.
+  assert os.path.exists(os.path.join(train_dir, common.LOCK_FILE))
 
   done = subprocess.run(args + ["--max_steps=%d" % (resumed_from + 3)],
                         env=env, capture_output=True, text=True, timeout=120)
@@ -461,6 +479,352 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tiny_mnist, tmp_path):
   steps = [int(s) for s in LOG_LINE.findall(done.stderr)]
   assert steps == [resumed_from + 1, resumed_from + 2, resumed_from + 3]
   assert checkpoint_step(train_dir) == resumed_from + 3
+
+
+# Losing work: the training directory's checks, the lock, signals.
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory):
+  """(data_dir, train_dir) of a 6-step run with checkpoints 0, 2, 4 and 6."""
+  data_dir = tmp_path_factory.mktemp("data")
+  write_split(data_dir, "train", *synthetic(NUM_TRAIN, 0))
+  train_dir = str(tmp_path_factory.mktemp("trained"))
+  mnist_train.train(train_dir=train_dir, data_dir=str(data_dir), num_gpus=2,
+                    batch_size=4, max_steps=6, save_checkpoint_steps=2,
+                    save_summaries_steps=0, mirrors=(), seed=0)
+  return str(data_dir), train_dir
+
+
+def _copy(trained_dir, tmp_path, name="train"):
+  train_dir = str(tmp_path / name)
+  shutil.copytree(trained_dir[1], train_dir)
+  return train_dir
+
+
+def _train(data_dir, train_dir, max_steps, **kwargs):
+  args = dict(num_gpus=2, batch_size=4, save_checkpoint_steps=1,
+              save_summaries_steps=0, mirrors=(), seed=0)
+  args.update(kwargs)
+  return mnist_train.train(train_dir=train_dir, data_dir=data_dir,
+                           max_steps=max_steps, **args)
+
+
+def _listing(directory):
+  """{name: (size, mtime)} of a directory's files."""
+  return {n: (os.path.getsize(os.path.join(directory, n)),
+              os.path.getmtime(os.path.join(directory, n)))
+          for n in os.listdir(directory)}
+
+
+def _run_fix(message):
+  """Runs the one-line command an error gives after 'run: ' (a shell line)."""
+  command = message.split("run: ", 1)[1].split(" ; ", 1)[0]
+  subprocess.run(command, shell=True, check=True, timeout=10)
+
+
+def test_state_file_holds_relative_paths_and_a_copy_resumes_from_itself(
+    trained_dir, tmp_path):
+  data_dir, original = trained_dir
+  with open(os.path.join(original, "checkpoint")) as f:
+    assert 'model_checkpoint_path: "model.ckpt-6"' in f.read()
+  before = _listing(original)
+  copy = _copy(trained_dir, tmp_path)
+  # 2 more checkpoints: the Saver keeps 5, so it rotates model.ckpt-0 out.
+  assert _train(data_dir, copy, max_steps=8) == 8
+  assert checkpoint_step(copy) == 8
+  assert not os.path.exists(os.path.join(copy, "model.ckpt-0.index"))
+  assert _listing(original) == before  # Neither read-modified nor deleted.
+
+
+@pytest.mark.parametrize("damage", ["deleted", "garbage"])
+def test_checkpoints_without_a_state_file_are_refused_with_the_fix(
+    trained_dir, tmp_path, damage):
+  data_dir = trained_dir[0]
+  train_dir = _copy(trained_dir, tmp_path)
+  state = os.path.join(train_dir, "checkpoint")
+  if damage == "deleted":
+    os.remove(state)
+  else:
+    with open(state, "w") as f:
+      f.write("model_checkpoint_path: {garbage")
+  with pytest.raises(common.TrainDirError) as error:
+    _train(data_dir, train_dir, max_steps=7)
+  message = str(error.value)
+  assert "\n" not in message
+  assert "start again at step 0" in message
+  assert "model.ckpt-6" in message and "another --train_dir" in message
+  assert "echo 'model_checkpoint_path: \"model.ckpt-6\"' > " + state in message
+  _run_fix(message)
+  assert _train(data_dir, train_dir, max_steps=7) == 7  # Resumed from 6.
+
+
+def test_a_state_file_naming_another_directory_is_refused(trained_dir,
+                                                          tmp_path):
+  # As an older version wrote it: absolute paths, into the original.
+  data_dir, original = trained_dir
+  before = _listing(original)
+  copy = _copy(trained_dir, tmp_path)
+  with open(os.path.join(copy, "checkpoint"), "w") as f:
+    f.write('model_checkpoint_path: "%s/model.ckpt-6"\n'
+            'all_model_checkpoint_paths: "%s/model.ckpt-6"\n'
+            % (original, original))
+  with pytest.raises(common.TrainDirError,
+                     match="names checkpoints in another directory") as error:
+    _train(data_dir, copy, max_steps=7)
+  assert original in str(error.value)
+  _run_fix(str(error.value))
+  assert _train(data_dir, copy, max_steps=7) == 7
+  assert _listing(original) == before
+
+
+def _damage(prefix, how):
+  data = prefix + ".data-00000-of-00001"
+  if how == "truncated_data":
+    with open(data, "r+b") as f:
+      f.truncate(os.path.getsize(data) // 2)
+  elif how == "checksum_mismatch":
+    with open(data, "r+b") as f:
+      f.seek(os.path.getsize(data) // 2)
+      byte = f.read(1)
+      f.seek(-1, os.SEEK_CUR)
+      f.write(bytes([byte[0] ^ 0xFF]))
+  elif how == "missing_data":
+    os.remove(data)
+  elif how == "missing_index":
+    os.remove(prefix + ".index")
+
+
+@pytest.mark.parametrize("how", ["truncated_data", "checksum_mismatch",
+                                 "missing_data", "missing_index"])
+def test_a_corrupt_latest_checkpoint_is_one_line_naming_the_intact_one(
+    trained_dir, tmp_path, how):
+  data_dir = trained_dir[0]
+  train_dir = _copy(trained_dir, tmp_path)
+  _damage(os.path.join(train_dir, "model.ckpt-6"), how)
+  with pytest.raises(common.TrainDirError) as error:
+    _train(data_dir, train_dir, max_steps=7)
+  message = str(error.value)
+  assert "\n" not in message
+  assert "latest checkpoint %s/model.ckpt-6 is corrupt" % train_dir in message
+  assert "echo 'model_checkpoint_path: \"model.ckpt-4\"'" in message
+  if how == "truncated_data":
+    _run_fix(message)
+    assert _train(data_dir, train_dir, max_steps=5) == 5  # From step 4.
+
+
+def test_a_second_trainer_on_the_same_train_dir_is_refused(trained_dir,
+                                                           tmp_path):
+  data_dir = trained_dir[0]
+  train_dir = _copy(trained_dir, tmp_path)
+  with common.prepare_train_dir(train_dir).lock:  # The first trainer.
+    with pytest.raises(common.TrainDirError,
+                       match=r"in use by another trainer \(pid %d"
+                       % os.getpid()):
+      _train(data_dir, train_dir, max_steps=7)
+  assert _train(data_dir, train_dir, max_steps=7) == 7  # Released.
+
+
+def test_temp_folders_of_an_interrupted_save_are_removed_and_only_them(
+    trained_dir, tmp_path):
+  data_dir = trained_dir[0]
+  train_dir = _copy(trained_dir, tmp_path)
+  for name in ["model.ckpt-7_temp", "model.ckpt-7_temp_mine", "my_temp"]:
+    os.makedirs(os.path.join(train_dir, name, "part"))
+  _train(data_dir, train_dir, max_steps=6)
+  assert not os.path.exists(os.path.join(train_dir, "model.ckpt-7_temp"))
+  assert os.path.isdir(os.path.join(train_dir, "model.ckpt-7_temp_mine"))
+  assert os.path.isdir(os.path.join(train_dir, "my_temp"))
+
+
+def test_a_finished_job_trains_no_step(trained_dir, tmp_path, absl_logs):
+  data_dir = trained_dir[0]
+  train_dir = _copy(trained_dir, tmp_path)
+  before = _listing(train_dir)
+  assert _train(data_dir, train_dir, max_steps=6) == 6
+  assert _train(data_dir, train_dir, max_steps=4) == 6
+  assert any(m.startswith("Nothing to train: %s/model.ckpt-6 is at global "
+                          "step 6 and --max_steps=4" % train_dir)
+             for m in absl_logs())
+  after = _listing(train_dir)
+  del before[common.LOCK_FILE], after[common.LOCK_FILE]
+  assert after == before  # No checkpoint, no event file.
+  fresh = str(tmp_path / "fresh")
+  assert _train(data_dir, fresh, max_steps=0) == 0
+  assert checkpoint_step(fresh) is None
+
+
+@pytest.mark.parametrize("args,words", [
+    (dict(batch_size=0), "--batch_size=0 must be >= 1"),
+    (dict(batch_size=-4), "--batch_size=-4 must be >= 1"),
+    (dict(num_gpus=0), "--num_gpus=0 must be >= 1"),
+    (dict(max_steps=-1), "--max_steps=-1 must be >= 0"),
+    (dict(dropout_rate=1.0), "--dropout_rate=1.0 must be >= 0 and < 1"),
+    (dict(learning_rate=0.0), "--learning_rate=0.0 must be > 0"),
+    (dict(save_checkpoint_steps=0), "--save_checkpoint_steps=0 must be"),
+])
+def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
+  args = dict(dict(max_steps=5), **args)
+  with pytest.raises(common.FlagError, match=re.escape(words)):
+    _train(str(tmp_path / "data"), str(tmp_path / "train"), fake_data=True,
+           **args)
+  assert os.listdir(str(tmp_path)) == []  # Nothing built or created.
+
+
+def test_a_train_dir_that_is_a_file_is_refused(tmp_path):
+  path = tmp_path / "train"
+  path.write_text("not a directory")
+  with pytest.raises(common.FlagError, match="--train_dir=%s is a file"
+                     % path):
+    _train(str(tmp_path), str(path), max_steps=5, fake_data=True)
+
+
+def test_every_numeric_argument_of_the_four_scripts_is_bounded():
+  import inspect  # pylint: disable=g-import-not-at-top
+  import cifar10_eval  # pylint: disable=g-import-not-at-top
+  import cifar10_multi_gpu_train  # pylint: disable=g-import-not-at-top
+  unbounded = []
+  for module, function in [(mnist_train, mnist_train.train),
+                           (mnist_eval, mnist_eval.evaluate),
+                           (cifar10_multi_gpu_train,
+                            cifar10_multi_gpu_train.train),
+                           (cifar10_eval, cifar10_eval.evaluate)]:
+    for name, p in inspect.signature(function).parameters.items():
+      if isinstance(p.default, (int, float)) and not isinstance(
+          p.default, bool) and name != "seed" and name not in module.BOUNDS:
+        unbounded.append("%s.%s" % (module.__name__, name))
+  assert not unbounded
+
+
+def test_tower_devices_the_session_lacks_are_a_clear_error(tmp_path,
+                                                           monkeypatch):
+  # As when GPUs are visible but this process cannot use them.
+  monkeypatch.setattr(towers, "tower_devices",
+                      lambda n: ["/gpu:%d" % i for i in range(n)])
+  with pytest.raises(common.DeviceError) as error:
+    _train(str(tmp_path), str(tmp_path / "train"), max_steps=5,
+           fake_data=True)
+  message = str(error.value)
+  for words in ["--num_gpus=2 needs the tower devices /gpu:0, /gpu:1",
+                "it has /cpu:0", "fewer --num_gpus",
+                "towers.virtual_cpu_config(2)"]:
+    assert words in message
+  assert not os.path.exists(tmp_path / "train")
+
+
+def _signal_at_step(step, signum, logs, done, timeout=120):
+  """Sends `signum` to this process once `logs()` shows step `step`."""
+  def send():
+    deadline = time.time() + timeout
+    while not any(m.startswith("step %d," % step) for m in logs()):
+      if done.is_set() or time.time() > deadline:
+        return
+      time.sleep(0.05)
+    if not done.is_set():
+      os.kill(os.getpid(), signum)
+  thread = threading.Thread(target=send, daemon=True)
+  thread.start()
+  return thread
+
+
+def test_sigint_saves_a_checkpoint_and_puts_the_handlers_back(
+    tiny_mnist, tmp_path, absl_logs):
+  train_dir = str(tmp_path / "train")
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  done = threading.Event()
+  thread = _signal_at_step(3, signal.SIGINT, absl_logs, done)
+  try:
+    with pytest.raises(common.Interrupted) as stopped:
+      _train(tiny_mnist, train_dir, max_steps=100000, log_frequency=1,
+             save_checkpoint_steps=None, save_checkpoint_secs=3600)
+  finally:
+    done.set()
+    thread.join()
+  assert stopped.value.signum == signal.SIGINT
+  assert stopped.value.step >= 3
+  assert checkpoint_step(train_dir) == stopped.value.step
+  assert ("Received SIGINT at step %d: saved a checkpoint, stopping"
+          % stopped.value.step) in absl_logs()
+  assert (signal.getsignal(signal.SIGINT),
+          signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_sigterm_stops_the_script_at_once_with_a_checkpoint_and_143(
+    tiny_mnist, tmp_path):
+  train_dir = str(tmp_path / "train")
+  args, env = _script("mnist_multi_gpu_train.py", "--data_dir=" + tiny_mnist,
+                      "--train_dir=" + train_dir, "--num_gpus=2",
+                      "--batch_size=4", "--save_checkpoint_secs=3600",
+                      "--log_frequency=1", "--mirrors=",
+                      "--max_steps=1000000")
+  log = tmp_path / "train.log"
+  with open(str(log), "w") as stderr:
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
+                            stderr=stderr)
+  try:
+    deadline = time.time() + 120
+    while not LOG_LINE.search(log.read_text()):
+      assert proc.poll() is None, log.read_text()[-2000:]
+      assert time.time() < deadline, "no step logged in 120s"
+      time.sleep(0.2)
+    # Meanwhile a second trainer on its directory is refused, naming it.
+    with pytest.raises(common.TrainDirError,
+                       match=r"in use by another trainer \(pid %d"
+                       % proc.pid):
+      _train(tiny_mnist, train_dir, max_steps=5)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    took = time.time() - sent
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  text = log.read_text()
+  assert proc.returncode == 128 + signal.SIGTERM, text[-2000:]
+  assert took < 15, took  # A step and a save, not a timeout.
+  stopped = re.findall(r"Received SIGTERM at step (\d+): saved a checkpoint, "
+                       r"stopping", text)
+  assert len(stopped) == 1, text[-2000:]
+  assert checkpoint_step(train_dir) == int(stopped[0])
+  assert "Traceback" not in text
+
+
+def test_a_second_signal_kills_at_once():
+  code = ("import os, signal, time, common\n"
+          "with common.StopOnSignals() as s:\n"
+          "  os.kill(os.getpid(), signal.SIGINT)\n"
+          "  assert s.received == signal.SIGINT\n"
+          "  print('first one only recorded', flush=True)\n"
+          "  os.kill(os.getpid(), signal.SIGINT)\n"
+          "  time.sleep(30)\n"
+          "  print('still alive')\n")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=EXAMPLES)
+  done = subprocess.run([sys.executable, "-c", code], env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert done.stdout == "first one only recorded\n", done.stderr[-2000:]
+  assert done.returncode == -signal.SIGINT
+
+
+# One script of each kind as a subprocess (the checks are common's, and
+# test_every_numeric_argument_of_the_four_scripts_is_bounded covers the
+# rest): absl stops it before anything is built.
+@pytest.mark.parametrize("script,flag,words", [
+    ("mnist_multi_gpu_train.py", "--batch_size=0",
+     "--batch_size=0: must be >= 1"),
+    ("mnist_multi_gpu_train.py", "--train_dir={tmp}/file",
+     "--train_dir={tmp}/file: is a file, not a directory"),
+    ("cifar10_eval.py", "--num_examples=0", "--num_examples=0: must be >= 1"),
+])
+def test_scripts_refuse_a_bad_flag_in_one_line(tmp_path, script, flag, words):
+  (tmp_path / "file").write_text("")
+  args, env = _script(script, flag.format(tmp=tmp_path))
+  done = subprocess.run(args, env=env, capture_output=True, text=True,
+                        timeout=120, cwd=str(tmp_path))
+  assert done.returncode == 1
+  assert words.format(tmp=tmp_path) in done.stderr
+  assert "Traceback" not in done.stderr
+  assert os.listdir(str(tmp_path)) == ["file"]
 
 
 # The real data.
