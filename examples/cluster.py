@@ -13,7 +13,9 @@ of those into a clear error:
   task 0 and every other worker compare its own against it;
 - `wait_for_model` lets a worker join within a second of the chief's
   initialization, where ``tf.train.MonitoredTrainingSession`` polls every 30
-  seconds.
+  seconds;
+- `sync_replicas_hook` ends the chief's run without the token queue
+  runner's ``CancelledError`` traceback.
 
 Example code, not part of the `towers` library.
 """
@@ -250,3 +252,46 @@ def device_setter(task: Task):
   """
   return tf.train.replica_device_setter(cluster=task.cluster,
                                         worker_device=task.worker_device)
+
+
+def sync_replicas_hook(optimizer: tf.train.SyncReplicasOptimizer,
+                       is_chief: bool) -> tf.train.SessionRunHook:
+  """Returns the optimizer's session hook, without a traceback at the end.
+
+  The chief's token queue runner waits for the workers' gradients in an op
+  that only closing the session ends. ``MonitoredTrainingSession`` joins its
+  coordinator before it closes the session, so the queue runner then reports
+  the cancellation to a joined coordinator, which re-raises it in that
+  thread: a ``CancelledError`` traceback after a successful run. Here the
+  queue runner reports to a coordinator of its own that counts the
+  cancellation as a clean stop; any other error of the queue runner is
+  raised at the next step, as the session's coordinator would have.
+  """
+  return _OwnCoordinatorHook(optimizer.make_session_run_hook(is_chief))
+
+
+class _OwnCoordinatorHook(tf.train.SessionRunHook):
+  """Runs `hook` with a coordinator of its own for the threads it starts."""
+
+  def __init__(self, hook: tf.train.SessionRunHook):
+    self._hook = hook
+    self._coord = tf.train.Coordinator(clean_stop_exception_types=(
+        tf.errors.OutOfRangeError, tf.errors.CancelledError))
+
+  def begin(self):
+    self._hook.begin()
+
+  def after_create_session(self, session, coord):
+    del coord  # The session's; its threads get ours.
+    self._hook.after_create_session(session, self._coord)
+
+  def before_run(self, run_context):
+    self._coord.raise_requested_exception()
+    return self._hook.before_run(run_context)
+
+  def after_run(self, run_context, run_values):
+    self._hook.after_run(run_context, run_values)
+
+  def end(self, session):
+    self._coord.request_stop()
+    self._hook.end(session)

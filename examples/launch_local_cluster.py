@@ -2,8 +2,12 @@ r"""Runs a parameter-server cluster on this machine, for trying it out.
 
 Starts the parameter servers and workers of the MNIST training script as
 separate processes on free loopback ports, streams their logs with a task
-prefix, and stops them all when the workers are done, on Ctrl-C, or when a
-worker fails:
+prefix, and stops the parameter servers when the workers are done. SIGTERM
+or Ctrl-C (SIGINT) is passed on to the workers, so the chief saves a
+checkpoint; the parameter servers, which hold the variables it saves, are
+stopped only after the workers have exited (or after --stop_grace_secs,
+when the rest get SIGKILL). The launcher then exits with 128 + the signal's
+number; a second signal kills every task at once:
 
   python examples/launch_local_cluster.py --num_ps=1 --num_workers=2 -- \
       --num_gpus=2 --max_steps=500 --train_dir=/tmp/mnist_cluster \
@@ -21,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -95,13 +99,21 @@ class Cluster:
   def workers(self):
     return {n: p for n, p in self.tasks.items() if n.startswith("worker")}
 
-  def wait_for_workers(self, poll_secs: float = 0.5) -> int:
+  def parameter_servers(self):
+    return {n: p for n, p in self.tasks.items() if n.startswith("ps")}
+
+  def wait_for_workers(self, poll_secs: float = 0.5,
+                       stop: Callable[[], bool] = lambda: False
+                      ) -> Optional[int]:
     """Waits until every worker has exited; returns the worst exit code.
 
     A failed worker does not stop the others: with backup workers
     (--replicas_to_aggregate below the number of workers) training goes on.
+    Returns None as soon as `stop()` is true, with workers still running.
     """
     while any(p.poll() is None for p in self.workers().values()):
+      if stop():
+        return None
       time.sleep(poll_secs)
     codes = {n: p.returncode for n, p in self.workers().items()}
     for name, code in sorted(codes.items()):
@@ -109,26 +121,44 @@ class Cluster:
         logging.warning("%s exited with code %d", name, code)
     return max(codes.values(), key=abs) if codes else 0
 
-  def stop(self, grace_secs: float = 5.0) -> None:
-    """Stops every task still running: SIGTERM, then SIGKILL after grace."""
-    running = [p for p in self.tasks.values() if p.poll() is None]
-    for proc in running:
-      _signal(proc, signal.SIGTERM)
-    deadline = time.time() + grace_secs
-    for proc in running:
-      try:
-        proc.wait(timeout=max(0.1, deadline - time.time()))
-      except subprocess.TimeoutExpired:
-        _signal(proc, signal.SIGKILL)
-        proc.wait()
+  def stop(self, signum: int = signal.SIGTERM, grace_secs: float = 30.0,
+           ps_grace_secs: float = 5.0) -> None:
+    """Stops every task still running: the workers first, then the ps.
+
+    The workers get `signum` and `grace_secs` to exit: the chief saves its
+    final checkpoint, which needs the parameter servers still running. Then
+    the parameter servers get SIGTERM. A task still running after its grace
+    period gets SIGKILL.
+    """
+    _stop(self.workers().values(), signum, grace_secs)
+    _stop(self.parameter_servers().values(), signal.SIGTERM, ps_grace_secs)
     for thread in self._threads:
       thread.join(timeout=2)
+
+  def kill(self) -> None:
+    """Kills every task at once (SIGKILL)."""
+    for proc in self.tasks.values():
+      if proc.poll() is None:
+        _signal(proc, signal.SIGKILL)
 
   def __enter__(self):
     return self
 
   def __exit__(self, *exc):
     self.stop()
+
+
+def _stop(procs, signum: int, grace_secs: float) -> None:
+  running = [p for p in procs if p.poll() is None]
+  for proc in running:
+    _signal(proc, signum)
+  deadline = time.time() + grace_secs
+  for proc in running:
+    try:
+      proc.wait(timeout=max(0.1, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      _signal(proc, signal.SIGKILL)
+      proc.wait()
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
@@ -139,36 +169,63 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 
 def run(num_ps: int, num_workers: int, args: Sequence[str],
-        script: Optional[str] = None) -> int:
-  """Runs the cluster until its workers finish; returns the worst exit code."""
+        script: Optional[str] = None, stop_grace_secs: float = 30.0) -> int:
+  """Runs the cluster until its workers finish; returns the worst exit code.
+
+  SIGTERM or SIGINT (Ctrl-C) is passed on to the workers, which get
+  `stop_grace_secs` to save and exit before the parameter servers are
+  stopped; the launcher then returns 128 + the signal's number. A second
+  signal kills every task at once. Handlers are installed only when called
+  from the main thread, and put back on return.
+  """
   script = script or os.path.join(HERE, "mnist_multi_gpu_train.py")
+  received = []
   with Cluster(script, num_ps, num_workers, args) as cluster:
-    logging.info("ps: %s; workers: %s", ",".join(cluster.ps_hosts),
-                 ",".join(cluster.worker_hosts))
-    cluster.start_all()
+
+    def handle(signum, frame):
+      del frame
+      if received:  # The second signal: no more waiting.
+        cluster.kill()
+        os._exit(128 + signum)  # pylint: disable=protected-access
+      received.append(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        previous[signum] = signal.signal(signum, handle)
     try:
-      return cluster.wait_for_workers()
-    except KeyboardInterrupt:
-      logging.info("Interrupted: stopping every task")
-      return 130
+      logging.info("ps: %s; workers: %s", ",".join(cluster.ps_hosts),
+                   ",".join(cluster.worker_hosts))
+      cluster.start_all()
+      code = cluster.wait_for_workers(stop=lambda: bool(received))
+      if code is not None:
+        return code
+      name = signal.Signals(received[0]).name
+      logging.info("Received %s: passing it to the workers (up to %gs to "
+                   "save and exit), then stopping the parameter servers",
+                   name, stop_grace_secs)
+      cluster.stop(received[0], stop_grace_secs)
+      return 128 + received[0]
+    finally:
+      for signum, handler in previous.items():
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_ps", 1, "Parameter-server tasks.")
-flags.DEFINE_integer("num_workers", 2, "Worker tasks (the first is the chief).")
+flags.DEFINE_integer("num_ps", 1, "Parameter-server tasks.", lower_bound=1)
+flags.DEFINE_integer("num_workers", 2, "Worker tasks (the first is the "
+                     "chief).", lower_bound=1)
 flags.DEFINE_string("script", None,
                     "The training script; default: mnist_multi_gpu_train.py "
                     "beside this file.")
-
-
-def _interrupt(signum, frame):
-  raise KeyboardInterrupt()
+flags.DEFINE_float("stop_grace_secs", 30, "Seconds the workers get to save "
+                   "and exit after SIGTERM or SIGINT, before SIGKILL.",
+                   lower_bound=0)
 
 
 def main(argv):
-  # SIGTERM (from a test harness, say) stops the cluster as Ctrl-C does.
-  signal.signal(signal.SIGTERM, _interrupt)
-  return run(FLAGS.num_ps, FLAGS.num_workers, argv[1:], FLAGS.script)
+  return run(FLAGS.num_ps, FLAGS.num_workers, argv[1:], FLAGS.script,
+             FLAGS.stop_grace_secs)
 
 
 if __name__ == "__main__":

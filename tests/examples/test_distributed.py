@@ -92,6 +92,8 @@ def test_two_workers_of_two_towers_train_synchronously(data_dir, tmp_path):
     c.start("worker", 0)
     code = c.wait_for_workers()
   assert code == 0, log.text()[-4000:]
+  # A clean end: not even the chief's token queue runner's cancellation.
+  assert "Traceback" not in log.text(), log.text()[-4000:]
   assert tf.train.load_variable(train_dir, "global_step") == 60
   chief = log.steps("worker0")
   assert chief and log.steps("worker1"), log.text()[-4000:]
@@ -119,6 +121,100 @@ def test_a_killed_backup_worker_does_not_stop_training(data_dir, tmp_path):
   assert code == {"worker0": 0, "worker1": 0}, log.text()[-4000:]
   assert c.tasks["worker2"].returncode == -signal.SIGKILL
   assert tf.train.load_variable(train_dir, "global_step") == 80
+
+
+def test_sigterm_to_the_cluster_has_the_chief_save_before_the_ps_stop(
+    data_dir, tmp_path):
+  train_dir = str(tmp_path / "train")
+  log = Log()
+  args = _train_args(data_dir, train_dir, 100000,
+                     "--save_checkpoint_secs=3600")
+  args.remove("--save_checkpoint_steps=20")
+  with launch_local_cluster.Cluster(TRAIN, 1, 1, args, out=log) as c:
+    c.start_all()
+    _wait(lambda: log.steps("worker0"), 240, "the chief's first step")
+    c.stop(signal.SIGTERM, grace_secs=60)
+  assert c.tasks["worker0"].returncode == 128 + signal.SIGTERM, \
+      log.text()[-4000:]
+  saved = re.findall(r"\[worker0\].*Received SIGTERM at step (\d+): saved a "
+                     r"checkpoint, stopping", log.text())
+  assert len(saved) == 1, log.text()[-4000:]
+  assert tf.train.load_variable(train_dir, "global_step") == int(saved[0])
+  assert "Traceback" not in log.text(), log.text()[-4000:]
+
+
+# A stand-in task for the launcher: it records when it starts, when it gets
+# a signal and when it exits (after 0.5 s, as a chief saving); worker1
+# ignores signals, so only SIGKILL ends it.
+FAKE_TASK = r"""
+import os, signal, sys, time
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
+name = args["job_name"] + args["task_index"]
+
+def record(what):
+  with open(os.path.join(args["log_dir"], name), "a") as f:
+    f.write("%s %.3f\n" % (what, time.time()))
+
+def handle(signum, frame):
+  record("signal%d" % signum)
+  if name != "worker1":
+    time.sleep(0.5)
+    record("exit")
+    sys.exit(128 + signum)
+
+signal.signal(signal.SIGTERM, handle)
+signal.signal(signal.SIGINT, handle)
+record("started")
+while True:
+  time.sleep(0.1)
+"""
+
+
+def _events(log_dir, name):
+  """{event: time} of a fake task's record."""
+  path = os.path.join(log_dir, name)
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return {w: float(t) for w, t in (line.split() for line in f)}
+
+
+def test_the_launcher_passes_a_signal_to_the_workers_then_stops_the_ps(
+    tmp_path):
+  script = tmp_path / "task.py"
+  script.write_text(FAKE_TASK)
+  log_dir = tmp_path / "log"
+  log_dir.mkdir()
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  launcher = subprocess.Popen(
+      [sys.executable, os.path.join(EXAMPLES, "launch_local_cluster.py"),
+       "--num_ps=1", "--num_workers=2", "--script=%s" % script,
+       "--stop_grace_secs=2", "--", "--log_dir=%s" % log_dir],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait(lambda: all("started" in _events(str(log_dir), n)
+                      for n in ("ps0", "worker0", "worker1")), 60,
+          "the tasks to start")
+    launcher.send_signal(signal.SIGINT)  # Ctrl-C.
+    out, _ = launcher.communicate(timeout=60)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait()
+  assert launcher.returncode == 128 + signal.SIGINT, out
+  assert "Received SIGINT: passing it to the workers" in out
+  chief, stubborn, ps = (_events(str(log_dir), n)
+                         for n in ("worker0", "worker1", "ps0"))
+  # The workers get the signal itself; the chief has exited (saved) before
+  # the parameter servers are stopped, with SIGTERM.
+  assert "signal%d" % signal.SIGINT in chief and "exit" in chief
+  assert "signal%d" % signal.SIGINT in stubborn
+  assert ps["signal%d" % signal.SIGTERM] >= chief["exit"]
+  # The worker that ignored it got SIGKILL after the 2 s grace, and only
+  # then were the parameter servers stopped.
+  assert "exit" not in stubborn
+  assert ps["signal%d" % signal.SIGTERM] >= (
+      stubborn["signal%d" % signal.SIGINT] + 1.9)
 
 
 def _run_task(args, timeout=120):
