@@ -88,8 +88,8 @@ def test_towers_that_count_a_regularization_loss_unequally_are_refused():
       lambda scope: tf.losses.get_total_loss(scope=scope))
   with tf.Graph().as_default():
     with pytest.raises(ValueError, match=r"different regularization losses: "
-                       r"tower_0.s includes tower_0/dense/mul.*tower_1's does not.*"
-                       r"get_regularization_loss\(\)"):
+                       r"tower_0.s includes tower_0/dense/mul.*tower_1's "
+                       r"does not.*get_regularization_loss\(\)"):
       towers.build_towers(model, _sgd(), 2, inputs=_split(8)[2],
                           devices=devices(2))
 

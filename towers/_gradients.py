@@ -180,14 +180,15 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
         "others; the towers must build the same model (a variable that does "
         "not reach one tower's loss reaches none)"
         % (_var_name(var), ", ".join(map(str, missing))))
-  sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
+  present: List[Gradient] = [g for g in grads if g is not None]
+  sparse = [isinstance(g, tf.IndexedSlices) for g in present]
   if any(sparse) and not all(sparse):
     # Dense in some towers and sparse in others: only possible when the
     # towers' models differ. Converting all to dense is exact.
-    grads = [tf.convert_to_tensor(g) for g in grads]
-  if isinstance(grads[0], tf.IndexedSlices):
-    values = [g.values for g in grads]
-    indices = [g.indices for g in grads]
+    present = [tf.convert_to_tensor(g) for g in present]
+  if isinstance(present[0], tf.IndexedSlices):
+    values = [g.values for g in present]
+    indices = [g.indices for g in present]
     if len({i.dtype for i in indices}) > 1:
       indices = [tf.cast(i, tf.int64) for i in indices]
     if not uniform:
@@ -195,11 +196,11 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
     with tf.device(device), tf.control_dependencies(barrier):
       values = _combine(values, lambda t: tf.concat(t, 0), uniform)
       indices = _combine(indices, lambda t: tf.concat(t, 0), False)
-    return tf.IndexedSlices(values, indices, grads[0].dense_shape)
+    return tf.IndexedSlices(values, indices, present[0].dense_shape)
   if not uniform:
-    grads = [_scaled(g, w) for g, w in zip(grads, weights)]
+    present = [_scaled(g, w) for g, w in zip(present, weights)]
   with tf.device(device), tf.control_dependencies(barrier):
-    return _combine(grads, tf.add_n, uniform)
+    return _combine(present, tf.add_n, uniform)
 
 
 def _combine(tensors: List[tf.Tensor], combine, divide: bool) -> tf.Tensor:

@@ -139,11 +139,12 @@ def batch_weights(batches: List[List[object]]) -> List[Weight]:
     sizes.append(first)
   static = [tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
             for t in sizes]
-  if all(s is not None for s in static):
-    total = sum(static)
+  known = [s for s in static if s is not None]
+  if len(known) == num:
+    total = sum(known)
     if total == 0:
       return [1.0 / num] * num
-    return [s / total for s in static]
+    return [s / total for s in known]
   counts = [tf.cast(tf.shape(t)[0], tf.float32) for t in sizes]
   total = tf.add_n(counts)
   return [c / total for c in counts]
@@ -152,8 +153,8 @@ def batch_weights(batches: List[List[object]]) -> List[Weight]:
 def tower_batch(inputs: Inputs, shards: Optional[List[object]],
                 index: int) -> List[object]:
   """Returns tower `index`'s arguments (call inside its scope and device)."""
-  if inputs is None:
-    return []
   if shards is not None:
     return as_args(shards[index])
-  return as_args(inputs())
+  if callable(inputs):
+    return as_args(inputs())
+  return []

@@ -113,7 +113,7 @@ def tower_placement(device: str, placer: DeviceFn) -> Iterator[None]:
   """
   # A variable creator sees the collections a variable joins before its op
   # exists; the device function, which sees only the op, cannot.
-  local = []
+  local: List[bool] = []
 
   def device_fn(op: tf.Operation) -> str:
     if op.type in VARIABLE_OPS and not local:

@@ -138,8 +138,8 @@ def build_towers(model_fn: Callable[..., object],
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
   _isolation.check_losses(losses, built.scopes, built.batches)
   with tf.name_scope("%s_loss" % tower_name):
-    mean_loss = tf.add_n([l * tf.cast(w, l.dtype)
-                          for l, w in zip(losses, built.weights)])
+    mean_loss = tf.add_n([loss * tf.cast(w, loss.dtype)
+                          for loss, w in zip(losses, built.weights)])
   return Towers(losses=list(losses), loss=mean_loss,
                 tower_grads=list(tower_grads), weights=built.weights,
                 scopes=built.scopes, devices=built.devices,
