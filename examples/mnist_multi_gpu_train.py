@@ -346,8 +346,9 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
               opt, replicas_to_aggregate=replicas,
               total_num_replicas=task.num_workers),
           replicas=replicas)
-      # The chief's token queue runner has no Python way to stop (see
-      # cluster.sync_replicas_hook): a short grace period is enough.
+      # A short wait for the session's threads when it closes; the chief's
+      # token queue runner, which only the close itself ends, is not one of
+      # them (cluster.sync_replicas_hook).
       session_kwargs = dict(master=task.server.target,
                             is_chief=task.is_chief, stop_grace_period_secs=5)
     else:
