@@ -60,6 +60,7 @@ import cifar10_data
 import cifar10_model
 import common
 import towers
+import traindir
 
 # The tutorial's schedule.
 INITIAL_LEARNING_RATE = 0.1
@@ -200,7 +201,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
   """Trains until the global step reaches `max_steps`; returns that step.
 
   Resumes from the latest checkpoint in `train_dir` once
-  `common.prepare_train_dir` has locked and checked it; if that checkpoint
+  `traindir.prepare` has locked and checked it; if that checkpoint
   is already at `max_steps`, nothing is trained. SIGTERM or SIGINT stops
   training after a final checkpoint (`common.run_training`).
 
@@ -229,9 +230,9 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     common.FlagError: for an argument out of its `BOUNDS`, or a directory
       that is a file; common.DeviceError (one) if a session lacks a tower
       device.
-    common.TrainDirError: if `train_dir` is in use by another trainer, or
+    traindir.TrainDirError: if `train_dir` is in use by another trainer, or
       holds checkpoints it cannot safely resume from
-      (`common.prepare_train_dir`).
+      (`traindir.prepare`).
     common.Interrupted: after SIGTERM or SIGINT, once the checkpoint is
       saved.
     common.DownloadError: if the data are absent and cannot be downloaded.
@@ -261,7 +262,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     logging.info("Training on the %d images of %s", examples_per_epoch,
                  ", ".join(train_files))
   common.log_batch(num_gpus, batch_size, max_steps, examples_per_epoch)
-  state = common.prepare_train_dir(train_dir)
+  state = traindir.prepare(train_dir)
   with state.lock:
     done = state.global_step or 0
     if done >= max_steps:
@@ -315,7 +316,7 @@ def define_flags() -> None:
 def main(argv):
   expected = (common.DownloadError, cifar10_data.CorruptDataError,
               FileNotFoundError, FloatingPointError, common.FlagError,
-              common.TrainDirError)
+              traindir.TrainDirError)
   return common.run_main(argv, lambda: train(
       data_dir=FLAGS.data_dir, train_dir=FLAGS.train_dir,
       num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,

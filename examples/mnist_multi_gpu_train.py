@@ -58,6 +58,7 @@ import common
 import mnist_data
 import mnist_model
 import towers
+import traindir
 
 # 'cpu', 'gpu', 'balanced', a device string or a device function.
 VariableDevice = Union[str, Callable[[tf.Operation], str]]
@@ -223,7 +224,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   Checkpoints (every `save_checkpoint_secs`, or `save_checkpoint_steps`,
   and at the final step) and summaries go to `train_dir`; a run with the
   same `train_dir` resumes from its latest checkpoint, after
-  `common.prepare_train_dir` has locked and checked it. If that checkpoint
+  `traindir.prepare` has locked and checked it. If that checkpoint
   is already at `max_steps`, nothing is trained. SIGTERM or SIGINT stops
   training after a final checkpoint (`common.run_training`).
 
@@ -270,7 +271,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     common.FlagError: for an argument out of its `BOUNDS`, or a directory
       that is a file; common.DeviceError (one) if a session lacks a tower
       device.
-    common.TrainDirError: if `train_dir` is in use by another trainer, or
+    traindir.TrainDirError: if `train_dir` is in use by another trainer, or
       holds checkpoints it cannot safely resume from.
     common.Interrupted: after SIGTERM or SIGINT, once the checkpoint is
       saved.
@@ -328,7 +329,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     num_examples = train_files[0].count
   common.log_batch(num_gpus, batch_size, max_steps, num_examples, replicas)
   is_chief = not distributed or task.is_chief
-  state = common.prepare_train_dir(train_dir, is_chief=is_chief)
+  state = traindir.prepare(train_dir, is_chief=is_chief)
   with state.lock:
     done = state.global_step or 0
     if done >= max_steps:
@@ -444,7 +445,7 @@ def define_flags() -> None:
 
 def main(argv):
   expected = (mnist_data.DataError, FloatingPointError, cluster.ClusterError,
-              TimeoutError, common.FlagError, common.TrainDirError)
+              TimeoutError, common.FlagError, traindir.TrainDirError)
   return common.run_main(argv, lambda: train(
       train_dir=FLAGS.train_dir, data_dir=FLAGS.data_dir, dataset=FLAGS.dataset,
       num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,

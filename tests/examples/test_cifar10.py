@@ -27,6 +27,7 @@ import cifar10_model
 import cifar10_multi_gpu_train
 import common
 import towers
+import traindir
 
 NUM_TOWERS = 2
 BATCH = 8
@@ -485,8 +486,8 @@ def test_a_second_trainer_on_the_same_train_dir_is_refused(trained, data_dir,
                                                            tmp_path):
   train_dir = str(tmp_path / "train")
   shutil.copytree(trained[0], train_dir)
-  with common.prepare_train_dir(train_dir).lock:
-    with pytest.raises(common.TrainDirError, match="pid %d" % os.getpid()):
+  with traindir.prepare(train_dir).lock:
+    with pytest.raises(traindir.TrainDirError, match="pid %d" % os.getpid()):
       _train(data_dir, train_dir, TRAIN_STEPS + 1)
 
 

@@ -29,6 +29,7 @@ import mnist_data
 import mnist_eval
 import mnist_multi_gpu_train as mnist_train
 import towers
+import traindir
 
 EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
                                         "examples"))
@@ -471,7 +472,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tiny_mnist, tmp_path):
   resumed_from = checkpoint_step(train_dir)
   assert resumed_from >= 6
   # The killed run's lock file is left, but the lock went with the process.
-  assert os.path.exists(os.path.join(train_dir, common.LOCK_FILE))
+  assert os.path.exists(os.path.join(train_dir, traindir.LOCK_FILE))
 
   done = subprocess.run(args + ["--max_steps=%d" % (resumed_from + 3)],
                         env=env, capture_output=True, text=True, timeout=120)
@@ -548,7 +549,7 @@ def test_checkpoints_without_a_state_file_are_refused_with_the_fix(
   else:
     with open(state, "w") as f:
       f.write("model_checkpoint_path: {garbage")
-  with pytest.raises(common.TrainDirError) as error:
+  with pytest.raises(traindir.TrainDirError) as error:
     _train(data_dir, train_dir, max_steps=7)
   message = str(error.value)
   assert "\n" not in message
@@ -569,7 +570,7 @@ def test_a_state_file_naming_another_directory_is_refused(trained_dir,
     f.write('model_checkpoint_path: "%s/model.ckpt-6"\n'
             'all_model_checkpoint_paths: "%s/model.ckpt-6"\n'
             % (original, original))
-  with pytest.raises(common.TrainDirError,
+  with pytest.raises(traindir.TrainDirError,
                      match="names checkpoints in another directory") as error:
     _train(data_dir, copy, max_steps=7)
   assert original in str(error.value)
@@ -602,7 +603,7 @@ def test_a_corrupt_latest_checkpoint_is_one_line_naming_the_intact_one(
   data_dir = trained_dir[0]
   train_dir = _copy(trained_dir, tmp_path)
   _damage(os.path.join(train_dir, "model.ckpt-6"), how)
-  with pytest.raises(common.TrainDirError) as error:
+  with pytest.raises(traindir.TrainDirError) as error:
     _train(data_dir, train_dir, max_steps=7)
   message = str(error.value)
   assert "\n" not in message
@@ -617,8 +618,8 @@ def test_a_second_trainer_on_the_same_train_dir_is_refused(trained_dir,
                                                            tmp_path):
   data_dir = trained_dir[0]
   train_dir = _copy(trained_dir, tmp_path)
-  with common.prepare_train_dir(train_dir).lock:  # The first trainer.
-    with pytest.raises(common.TrainDirError,
+  with traindir.prepare(train_dir).lock:  # The first trainer.
+    with pytest.raises(traindir.TrainDirError,
                        match=r"in use by another trainer \(pid %d"
                        % os.getpid()):
       _train(data_dir, train_dir, max_steps=7)
@@ -647,7 +648,7 @@ def test_a_finished_job_trains_no_step(trained_dir, tmp_path, absl_logs):
                           "step 6 and --max_steps=4" % train_dir)
              for m in absl_logs())
   after = _listing(train_dir)
-  del before[common.LOCK_FILE], after[common.LOCK_FILE]
+  del before[traindir.LOCK_FILE], after[traindir.LOCK_FILE]
   assert after == before  # No checkpoint, no event file.
   fresh = str(tmp_path / "fresh")
   assert _train(data_dir, fresh, max_steps=0) == 0
@@ -768,7 +769,7 @@ def test_sigterm_stops_the_script_at_once_with_a_checkpoint_and_143(
       assert time.time() < deadline, "no step logged in 120s"
       time.sleep(0.2)
     # Meanwhile a second trainer on its directory is refused, naming it.
-    with pytest.raises(common.TrainDirError,
+    with pytest.raises(traindir.TrainDirError,
                        match=r"in use by another trainer \(pid %d"
                        % proc.pid):
       _train(tiny_mnist, train_dir, max_steps=5)
