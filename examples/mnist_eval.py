@@ -3,15 +3,18 @@
   python examples/mnist_eval.py --data_dir=/tmp/mnist_data \
       --checkpoint_dir=/tmp/mnist_train --run_once
   python examples/mnist_eval.py --checkpoint_dir=/tmp/mnist_train  # each new
+  python examples/mnist_eval.py --num_gpus=2 --run_once  # on 2 towers
   tensorboard --logdir=/tmp/mnist_train  # the eval/ subdirectory included
 
 Restores the latest checkpoint of a training run (any number of towers: the
-variables keep single-device names) into the single-device model, runs the
-test split exactly once (the last batch may be partial), and logs
+variables keep single-device names) into the model, runs the test split
+exactly once (the last batch may be partial), and logs
 ``precision @ 1 = 0.dddd`` (a fraction), also written as a summary to
 --eval_dir (default: the checkpoint directory's ``eval/``, made only once
 there is a checkpoint to evaluate). Pixels are scaled by the same
-`mnist_data.normalize` as in training. A flag out of range
+`mnist_data.normalize` as in training. With --num_gpus=N each batch is split
+over N towers (`towers.infer`: forward only, the logits put back in batch
+order); one tower is the single-device model. A flag out of range
 (``--batch_size=0``) stops the script with one line naming it.
 """
 
@@ -27,6 +30,7 @@ import tensorflow.compat.v1 as tf
 import common
 import mnist_data
 import mnist_model
+import towers
 
 EvalResult = collections.namedtuple(
     "EvalResult", ["precision", "num_correct", "num_examples", "global_step",
@@ -44,6 +48,7 @@ Fields:
 # The bounds of `evaluate`'s numeric arguments and of the flags of the same
 # names (`common.check_args`).
 BOUNDS = {
+    "num_gpus": dict(at_least=1),
     "batch_size": dict(at_least=1),
     "eval_interval_secs": dict(above=0),
 }
@@ -52,7 +57,7 @@ BOUNDS = {
 def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
              dataset: str = "mnist", eval_dir: Optional[str] = None,
              batch_size: int = 1000, eval_interval_secs: float = 300,
-             run_once: bool = False,
+             run_once: bool = False, num_gpus: int = 1,
              mirrors: Optional[Sequence[str]] = mnist_data.MNIST_MIRRORS
             ) -> Optional[EvalResult]:
   """Evaluates the latest checkpoint in `checkpoint_dir`, once or forever.
@@ -68,6 +73,7 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
       batch included.
     eval_interval_secs: seconds between looks for a new checkpoint.
     run_once: evaluate the latest checkpoint once and return.
+    num_gpus: towers each batch is split over.
     mirrors: base URLs for downloading missing MNIST files; empty for none.
 
   Returns:
@@ -76,11 +82,12 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
   Raises:
     common.FlagError: for an argument out of its `BOUNDS`, or a directory
       that is a file.
+    common.DeviceError: if this machine cannot run `num_gpus` towers.
     FileNotFoundError: with `run_once`, if there is no checkpoint.
     mnist_data.MissingDataError, mnist_data.IdxError: as `find_split`.
     RuntimeError: if the pass did not count every test image exactly once.
   """
-  common.check_args(BOUNDS, batch_size=batch_size,
+  common.check_args(BOUNDS, num_gpus=num_gpus, batch_size=batch_size,
                     eval_interval_secs=eval_interval_secs)
   for name, path in (("checkpoint_dir", checkpoint_dir),
                      ("data_dir", data_dir), ("eval_dir", eval_dir)):
@@ -91,13 +98,17 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
     eval_dir = os.path.join(checkpoint_dir, "eval")
   images_file, labels_file = mnist_data.find_split(data_dir, "test", dataset,
                                                    mirrors)
+  devices, config = common.tower_setup(num_gpus)
   with tf.Graph().as_default():
     with tf.device(mnist_data.INPUT_DEVICE):
       iterator = tf.data.make_initializable_iterator(
           mnist_data.eval_dataset(images_file, labels_file, batch_size))
       images, labels = iterator.get_next()
     global_step = tf.train.get_or_create_global_step()
-    logits, _ = mnist_model.inference(images)
+    # Each tower takes its share of the batch; the logits come back in the
+    # batch's order, next to the labels.
+    logits = towers.infer(lambda scope, x: mnist_model.inference(x)[0],
+                          num_gpus, inputs=images, devices=devices)
     correct = tf.reduce_sum(tf.cast(tf.nn.in_top_k(logits, labels, 1),
                                     tf.int64))
     count = tf.size(labels, out_type=tf.int64)
@@ -107,7 +118,7 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
     writers = []
 
     def evaluate_once(checkpoint: str) -> EvalResult:
-      with tf.Session() as sess:
+      with tf.Session(config=config) as sess:
         saver.restore(sess, checkpoint)
         step = int(sess.run(global_step))
         sess.run(iterator.initializer)
@@ -158,6 +169,8 @@ def define_flags() -> None:
                       "fashion_mnist." % mnist_data.FASHION_MNIST_DIR)
   flags.DEFINE_string("eval_dir", None, "Where the precision summary goes; "
                       "default <checkpoint_dir>/eval.")
+  flags.DEFINE_integer("num_gpus", 1, "Towers each test batch is split "
+                       "over; virtual CPU devices stand in for missing GPUs.")
   flags.DEFINE_integer("batch_size", 1000, "Test images per batch.")
   flags.DEFINE_integer("eval_interval_secs", 300, "Seconds between looks "
                        "for a new checkpoint.")
@@ -176,7 +189,8 @@ def main(argv):
       checkpoint_dir=FLAGS.checkpoint_dir, data_dir=FLAGS.data_dir,
       dataset=FLAGS.dataset, eval_dir=FLAGS.eval_dir,
       batch_size=FLAGS.batch_size, eval_interval_secs=FLAGS.eval_interval_secs,
-      run_once=FLAGS.run_once, mirrors=FLAGS.mirrors), expected)
+      run_once=FLAGS.run_once, num_gpus=FLAGS.num_gpus,
+      mirrors=FLAGS.mirrors), expected)
 
 
 if __name__ == "__main__":

@@ -400,6 +400,14 @@ def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, absl_logs):
              for m in absl_logs())
   assert "precision @ 1" in summary_tags(os.path.join(train_dir, "eval"))
 
+  # On 3 towers (towers.infer), batches of 9, 9 and 2: the last leaves a
+  # tower empty. The same checkpoint gives exactly the same count.
+  towered = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=tiny_mnist,
+                                batch_size=9, run_once=True, num_gpus=3,
+                                eval_dir=str(tmp_path / "eval3"), mirrors=())
+  assert towered.num_examples == NUM_TEST
+  assert towered.num_correct == result.num_correct
+
 
 def test_evaluate_without_a_checkpoint_says_to_train_first(tiny_mnist,
                                                            tmp_path):
