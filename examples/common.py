@@ -331,7 +331,7 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
 
   SIGTERM or SIGINT (in the main thread) ends training after the current
   step: the chief saves a checkpoint, one line is logged, and `Interrupted`
-  is raised. A second signal kills at once. Call `prepare_train_dir` first.
+  is raised. A second signal kills at once. Call `traindir.prepare` first.
 
   Raises:
     Interrupted: after a SIGTERM or SIGINT.
