@@ -264,13 +264,8 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
   common.log_batch(num_gpus, batch_size, max_steps, examples_per_epoch)
   state = traindir.prepare(train_dir)
   with state.lock:
-    done = state.global_step or 0
-    if done >= max_steps:
-      logging.info(
-          "Nothing to train: %s is at global step %d and --max_steps=%d "
-          "(raise --max_steps to train on)",
-          state.checkpoint or "--train_dir=" + train_dir, done, max_steps)
-      return done
+    if traindir.finished(state, train_dir, max_steps):
+      return state.global_step or 0
     with tf.Graph().as_default():
       g = build_train_graph(devices=devices, batch_size=batch_size,
                             train_files=train_files,

@@ -331,13 +331,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   is_chief = not distributed or task.is_chief
   state = traindir.prepare(train_dir, is_chief=is_chief)
   with state.lock:
-    done = state.global_step or 0
-    if done >= max_steps:
-      logging.info(
-          "Nothing to train: %s is at global step %d and --max_steps=%d "
-          "(raise --max_steps to train on)",
-          state.checkpoint or "--train_dir=" + train_dir, done, max_steps)
-      return done
+    if traindir.finished(state, train_dir, max_steps):
+      return state.global_step or 0
     if distributed:
       setter = cluster.device_setter(task)
       graph_kwargs = dict(

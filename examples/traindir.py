@@ -132,6 +132,22 @@ def prepare(train_dir: str, *, is_chief: bool = True) -> TrainDir:
   return TrainDir(lock, step, checkpoint)
 
 
+def finished(state: TrainDir, train_dir: str, max_steps: int) -> bool:
+  """Whether training in `train_dir` already reached `max_steps`; says so.
+
+  A job run again after it finished (or with ``--max_steps=0``) then trains
+  no step and saves nothing: the session's saver would otherwise train and
+  save one step more.
+  """
+  done = state.global_step or 0
+  if done < max_steps:
+    return False
+  logging.info("Nothing to train: %s is at global step %d and --max_steps=%d "
+               "(raise --max_steps to train on)",
+               state.checkpoint or "--train_dir=" + train_dir, done, max_steps)
+  return True
+
+
 def _peek_global_step(train_dir: str) -> Optional[int]:
   try:
     path = tf.train.latest_checkpoint(train_dir)

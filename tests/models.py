@@ -87,3 +87,19 @@ def reference_training(x, y, make_opt, steps, regularize=False):
         sess.run(train_op)
       values = {v.op.name: sess.run(v) for v in tf.trainable_variables()}
   return losses, values
+
+
+def averaged_gradient_values(graph, t):
+  """{variable name: value} of the towers' averaged gradients, run once."""
+  averaged = towers.average_gradients(t.tower_grads, t.weights)
+  with session(graph) as sess:
+    sess.run(tf.global_variables_initializer())
+    return sess.run({v.op.name: grad for grad, v in averaged})
+
+
+def assert_gradients_close(got, want):
+  """Checks {variable name: gradient} against the reference's."""
+  assert sorted(got) == sorted(want)
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
