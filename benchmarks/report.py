@@ -170,24 +170,20 @@ def add_targets(results: Dict[str, object]) -> None:
   A quick run's few steps on tiny batches are not measurements, so it gets
   no verdicts: every ``targets`` list stays empty.
   """
-  quick = results.get("quick")
-  for workload in results["throughput"]:
-    if quick:
-      for row in workload["rows"]:
-        row["targets"] = []
-    else:
-      throughput_targets(workload["rows"])
   averaging = results.get("average_gradients")
-  if averaging:
-    if quick:
-      averaging["targets"] = []
-    else:
-      averaging_targets(averaging)
   build = results.get("build")
-  if build:
-    if quick:
-      build["targets"] = []
-    else:
+  if results.get("quick"):
+    sections = [row for workload in results["throughput"]
+                for row in workload["rows"]] + [s for s in (averaging, build)
+                                                 if s]
+    for section in sections:
+      section["targets"] = []
+  else:
+    for workload in results["throughput"]:
+      throughput_targets(workload["rows"])
+    if averaging:
+      averaging_targets(averaging)
+    if build:
       build_targets(build)
   results["targets"] = summary(results)
 

@@ -22,7 +22,7 @@ queue is shared state, not a tower's data.
 """
 
 import collections
-from typing import List, Sequence, Set
+from typing import Dict, List, Sequence, Set
 
 import tensorflow.compat.v1 as tf
 
@@ -55,18 +55,24 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
     ValueError: naming the tower, the foreign op or regularization loss, and
       the fix.
   """
-  ops = tf.get_default_graph().get_operations()
-  data = [_descendants(
-      [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)] +
-      [t for op in ops if op.name.startswith(scope) and _is_source(op)
-       for t in op.outputs]) for scope, batch in zip(scopes, batches)]
+  # Each walk covers one tower's part of the graph, so checking N towers
+  # costs about one pass over the graph, not N.
+  sources = [op for op in tf.get_default_graph().get_operations()
+             if _is_source(op)]
+  owners: Dict[tf.Operation, List[int]] = collections.defaultdict(list)
+  for j, (scope, batch) in enumerate(zip(scopes, batches)):
+    starts = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
+    starts += [t for op in sources if op.name.startswith(scope)
+               for t in op.outputs]
+    for op in _descendants(starts):
+      owners[op].append(j)
   regularization = {t.op for t in tf.get_collection(
       tf.GraphKeys.REGULARIZATION_LOSSES) if isinstance(t, tf.Tensor)}
   reached_regularization: List[Set[tf.Operation]] = []
   for i, (loss, scope) in enumerate(zip(losses, scopes)):
     reached = _ancestors(loss.op)
-    foreign = [(op, j) for op in reached for j, d in enumerate(data)
-               if j != i and op in d]
+    foreign = [(op, j) for op in reached for j in owners.get(op, ())
+               if j != i]
     if foreign:
       # Name the nearest op of the other tower's own, if there is one.
       op, owner = next(((op, j) for op, j in foreign
