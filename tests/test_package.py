@@ -22,7 +22,7 @@ def test_public_surface_is_pinned():
 def test_towers_fields():
   assert towers.Towers._fields == (
       "losses", "loss", "tower_grads", "weights", "scopes", "devices",
-      "summaries", "update_ops", "outputs", "grads_and_vars")
+      "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce")
 
 
 def test_import_has_no_side_effects():

@@ -1,9 +1,12 @@
 """Averaging the towers' gradients: the synchronization point."""
 
 import numbers
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import tensorflow.compat.v1 as tf
+
+from towers import _allreduce
+from towers import _replicas
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
 GradsAndVars = List[Tuple[Optional[Gradient], tf.Variable]]
@@ -14,7 +17,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
                       weights: Optional[Sequence[Weight]] = None,
                       *,
                       device: Optional[str] = None,
-                      control_inputs: Sequence[object] = ()
+                      control_inputs: Sequence[object] = (),
+                      all_reduce: Optional[str] = None
                      ) -> GradsAndVars:
   """Averages each variable's gradient over the towers.
 
@@ -26,6 +30,15 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
   With `device`, every reduction runs there instead: on a worker of a
   cluster whose variables live on parameter servers, averaging on the worker
   sends one gradient per variable over the network instead of one per tower.
+
+  Towers built with ``variable_device="replicated"`` list their own copies
+  of the variables. Their dense gradients are all-reduced by `all_reduce`,
+  so each copy gets the average on its own device, and the result holds
+  every copy's pair: copy 0's first (``num_vars`` pairs, single-device
+  names), then copy 1's, and so on; one ``opt.apply_gradients`` call on it
+  is one step (`minimize` applies it so that the copies' slots stay out of
+  checkpoints). Sparse gradients are gathered on copy 0's device (kept
+  sparse) and that one ``tf.IndexedSlices`` goes to every copy.
 
   Every averaged gradient also waits for every gradient of every tower. With
   ref variables and ``gate_gradients=0`` this is what makes
@@ -39,44 +52,105 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
 
   Args:
     tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
-      list as returned by ``opt.compute_gradients`` for the same variables in
-      the same order.
+      list as returned by ``opt.compute_gradients`` for the same variables
+      (or, replicated, the tower's copies of them) in the same order.
     weights: ``[num_towers]`` of each tower's share of the global batch,
       Python numbers summing to 1 or scalar tensors; None for equal shares.
     device: where to reduce, e.g. ``'/job:worker/task:0/cpu:0'``; None (the
-      default) reduces each gradient on its variable's device.
+      default) reduces each gradient on its variable's device (copy 0's when
+      replicated). Not with the ``"ring"`` or ``"collective"`` all-reduce,
+      which reduce on every device.
     control_inputs: ops or tensors every averaged gradient also waits for,
       such as the towers' losses and update ops (`minimize` passes both).
+    all_reduce: for replicated towers, ``"add_n"``, ``"ring"``,
+      ``"collective"`` or ``"auto"`` (see `build_towers`); None is what
+      ``Towers.all_reduce`` says, or ``"auto"``.
 
   Returns:
     ``[num_vars]`` of ``(grad, var)`` in the first tower's order, with the
-    first tower's variables. A variable whose gradient is None in every tower
-    stays ``(None, var)``.
+    first tower's variables, followed for replicated towers by the other
+    copies' pairs. A variable whose gradient is None in every tower stays
+    ``(None, var)``.
 
   Raises:
     ValueError: if `tower_grads` is empty, the towers' variable lists differ
       (in length or in the variable at a position), a gradient is None in some
-      towers only, or `weights` has the wrong length or does not sum to 1.
+      towers only, `weights` has the wrong length or does not sum to 1, or
+      `all_reduce` or `device` does not fit the towers' variables.
     TypeError: if an entry is not a ``(grad, var)`` pair or a gradient is not
       a tensor, ``tf.IndexedSlices`` or None.
   """
+  groups = average_per_copy(tower_grads, weights, device=device,
+                            control_inputs=control_inputs,
+                            all_reduce=all_reduce)
+  return [pair for group in groups for pair in group]
+
+
+def average_per_copy(tower_grads: Sequence[GradsAndVars],
+                     weights: Optional[Sequence[Weight]] = None,
+                     *,
+                     device: Optional[str] = None,
+                     control_inputs: Sequence[object] = (),
+                     all_reduce: Optional[str] = None
+                    ) -> List[GradsAndVars]:
+  """`average_gradients`, with each copy's pairs in a list of its own.
+
+  Returns ``[num_copies]`` lists: copy 0's ``[num_vars]`` pairs, then, for
+  replicated towers, each other copy's pairs (its replicated variables
+  only). One copy: a list of one list.
+  """
   _check_tower_grads(tower_grads)
   weights = _check_weights(weights, len(tower_grads))
+  replicated = [pairs for pairs in zip(*tower_grads)
+                if any(p[1] is not pairs[0][1] for p in pairs)]
+  algorithm = _algorithm(replicated, all_reduce, device)
   flat = [t for tower in tower_grads for g, _ in tower for t in _tensors(g)]
   flat += list(control_inputs)
+  groups: List[GradsAndVars] = [[] for _ in tower_grads]
   with tf.name_scope("average_gradients"):
     # One NoOp per device, then one root: tf.group keeps the cross-device
     # control edges to one per device instead of one per gradient.
     barrier = [tf.group(*flat, name="all_towers_done")] if flat else []
     uniform = _is_uniform(weights)
-    averaged = []
+    launched: Dict[str, tf.Operation] = {}
     for pairs in zip(*tower_grads):
-      var = pairs[0][1]
+      variables = [v for _, v in pairs]
       grads = [g for g, _ in pairs]
-      where = var.device if device is None else device
-      averaged.append(
-          (_average(grads, var, weights, uniform, barrier, where), var))
-    return averaged
+      shared = all(v is variables[0] for v in variables)
+      if shared:
+        where = [variables[0].device if device is None else device]
+      else:
+        where = [v.device for v in variables]
+        if device is not None:
+          where[0] = device
+      averaged = _average(grads, variables[0], weights, uniform, barrier,
+                          where, "add_n" if shared else algorithm, launched)
+      for i, var in enumerate(variables[:1] if shared else variables):
+        groups[i].append((averaged[i], var))
+  return [group for group in groups if group]
+
+
+def _algorithm(replicated, all_reduce: Optional[str],
+               device: Optional[str]) -> str:
+  if not replicated:
+    if all_reduce is not None:
+      _allreduce.check_name(all_reduce)
+      if all_reduce != "auto":
+        raise ValueError(
+            "all_reduce=%r applies to towers built with variable_device="
+            "'replicated', but these towers share one copy of each variable "
+            "(averaged with tf.add_n next to it); drop all_reduce or build "
+            "the towers replicated" % (all_reduce,))
+    return "add_n"
+  algorithm = _allreduce.resolve(all_reduce or "auto",
+                                 [v.device for _, v in replicated[0]])
+  if device is not None and algorithm != "add_n":
+    raise ValueError(
+        "device=%r (average_device in minimize) names one device to reduce "
+        "on, but the %r all-reduce reduces on every tower's device; use "
+        "all_reduce='add_n' to reduce on one device, or drop it"
+        % (device, algorithm))
+  return algorithm
 
 
 def _tensors(grad: Optional[Gradient]) -> List[tf.Tensor]:
@@ -121,12 +195,13 @@ def _check_tower_grads(tower_grads) -> None:
           "(same var_list, variables shared through tf.get_variable)"
           % (i, len(tower), len(first)))
     for position, ((_, var), (_, var0)) in enumerate(zip(tower, first)):
-      if var is not var0:
+      if var is not var0 and _replicas.primary_of(var) != (var0, i):
         raise ValueError(
             "towers' variables differ at position %d: tower %d has %s where "
             "tower 0 has %s; every tower must compute gradients for the same "
-            "variables in the same order (same var_list, variables shared "
-            "through tf.get_variable)"
+            "variables (or, replicated, its own copies of them) in the same "
+            "order (same var_list, variables shared through "
+            "tf.get_variable)"
             % (position, i, _var_name(var), _var_name(var0)))
 
 
@@ -164,16 +239,19 @@ def _scaled(tensor: tf.Tensor, weight: Weight) -> tf.Tensor:
 
 
 def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
-             uniform: bool, barrier: List[tf.Operation],
-             device: str) -> Optional[Gradient]:
-  """Returns the weighted mean of one variable's gradients.
+             uniform: bool, barrier: List[tf.Operation], devices: List[str],
+             algorithm: str,
+             launched: Dict[str, tf.Operation]) -> List[Optional[Gradient]]:
+  """Returns the weighted mean of one variable's gradients on `devices`.
 
   With `uniform` weights the towers' gradients are combined first and
-  divided once; otherwise each is scaled on its own device first.
+  divided once; otherwise each is scaled on its own device first. One
+  device (a shared variable) gets one result; for copies, the result on
+  each copy's device (the same tensor for all with ``"add_n"``).
   """
   missing = [i for i, g in enumerate(grads) if g is None]
   if len(missing) == len(grads):
-    return None
+    return [None] * len(devices)
   if missing:
     raise ValueError(
         "the gradient of variable %s is None in tower(s) %s but not in the "
@@ -193,14 +271,30 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
       indices = [tf.cast(i, tf.int64) for i in indices]
     if not uniform:
       values = [_scaled(v, w) for v, w in zip(values, weights)]
-    with tf.device(device), tf.control_dependencies(barrier):
+    # Gathered on one device for every copy: the towers' slices differ in
+    # length, which a ring's chunks and a collective's group cannot take.
+    with tf.device(devices[0]), tf.control_dependencies(barrier):
       values = _combine(values, lambda t: tf.concat(t, 0), uniform)
       indices = _combine(indices, lambda t: tf.concat(t, 0), False)
-    return tf.IndexedSlices(values, indices, present[0].dense_shape)
+    return [tf.IndexedSlices(values, indices, present[0].dense_shape)
+           ] * len(devices)
   if not uniform:
     present = [_scaled(g, w) for g, w in zip(present, weights)]
-  with tf.device(device), tf.control_dependencies(barrier):
-    return _combine(present, tf.add_n, uniform)
+  if len(devices) == 1 or algorithm == "add_n":
+    with tf.device(devices[0]), tf.control_dependencies(barrier):
+      return [_combine(present, tf.add_n, uniform)] * len(devices)
+  inputs = []
+  for g, d in zip(present, devices):
+    with tf.device(d), tf.control_dependencies(barrier):
+      inputs.append(tf.identity(g))
+  sums = _allreduce.all_sum(inputs, devices, algorithm, launched)
+  if not uniform:
+    return sums
+  averaged = []
+  for total, d in zip(sums, devices):
+    with tf.device(d):
+      averaged.append(total * tf.constant(1.0 / len(sums), total.dtype))
+  return averaged
 
 
 def _combine(tensors: List[tf.Tensor], combine, divide: bool) -> tf.Tensor:

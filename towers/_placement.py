@@ -25,6 +25,8 @@ VariableDevice = Union[str, DeviceFn]
 # and resource variables (VarHandleOp). Reads, assigns and initializers of a
 # resource variable are pinned to its handle's device by TensorFlow itself, and
 # a ref variable's initializer is colocated with it, so routing these is enough.
+REPLICATED = "replicated"
+
 VARIABLE_OPS = frozenset(
     ["Variable", "VariableV2", "AutoReloadVariable", "VarHandleOp"])
 
@@ -73,8 +75,9 @@ def variable_placer(variable_device: VariableDevice,
   """Returns a function mapping a variable op to its device string.
 
   Args:
-    variable_device: ``"cpu"``, ``"gpu"``, ``"balanced"``, a device string or
-      a device function (such as ``tf.train.replica_device_setter(...)``).
+    variable_device: ``"cpu"``, ``"gpu"``, ``"balanced"``, ``"replicated"``
+      (copy 0 on the first tower's device), a device string or a device
+      function (such as ``tf.train.replica_device_setter(...)``).
     devices: the tower devices, ``[num_towers]``.
 
   Raises:
@@ -85,11 +88,14 @@ def variable_placer(variable_device: VariableDevice,
     return variable_device
   if not isinstance(variable_device, str):
     raise TypeError(
-        "expected variable_device to be 'cpu', 'gpu', 'balanced', a device "
-        "string or a device function, got %r" % (variable_device,))
+        "expected variable_device to be 'cpu', 'gpu', 'balanced', "
+        "'replicated', a device string or a device function, got %r"
+        % (variable_device,))
   if variable_device == "cpu":
     return lambda op: "/device:CPU:0"
-  if variable_device == "gpu":
+  if variable_device in ("gpu", REPLICATED):
+    # Replicated: copy 0 and the variables that are not copied live on the
+    # first tower's device; the other copies are made on their towers.
     first = devices[0]
     return lambda op: first
   if variable_device == "balanced":
@@ -98,8 +104,9 @@ def variable_placer(variable_device: VariableDevice,
     tf.DeviceSpec.from_string(variable_device)
   except ValueError as e:
     raise ValueError(
-        "variable_device %r is not 'cpu', 'gpu', 'balanced' or a valid device "
-        "string such as '/cpu:0': %s" % (variable_device, e)) from None
+        "variable_device %r is not 'cpu', 'gpu', 'balanced', 'replicated' or "
+        "a valid device string such as '/cpu:0': %s"
+        % (variable_device, e)) from None
   return lambda op: variable_device
 
 

@@ -1,18 +1,21 @@
 """Building the towers: one model replica per device, variables shared."""
 
 import collections
+import contextlib
 from typing import Callable, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
+from towers import _allreduce
 from towers import _devices
 from towers import _inputs
 from towers import _isolation
 from towers import _placement
+from towers import _replicas
 
 Towers = collections.namedtuple("Towers", [
     "losses", "loss", "tower_grads", "weights", "scopes", "devices",
-    "summaries", "update_ops", "outputs", "grads_and_vars"])
+    "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce"])
 Towers.__doc__ = """What `build_towers` built.
 
 Fields:
@@ -31,7 +34,11 @@ Fields:
   outputs: ``[num_towers]`` of what `model_fn` returned beside its loss
     (None where it returned the loss alone).
   grads_and_vars: from `minimize`, the averaged (and clipped) ``(grad, var)``
-    list it applied, for histograms; None from `build_towers`.
+    list it applied (copy 0's, when replicated), for histograms; None from
+    `build_towers`.
+  all_reduce: the all-reduce algorithm replicated towers use (``"add_n"``,
+    ``"ring"`` or ``"collective"``, ``"auto"`` resolved); None when the
+    towers share one copy of each variable.
 """
 
 
@@ -43,6 +50,7 @@ def build_towers(model_fn: Callable[..., object],
                  devices: Optional[Sequence[str]] = None,
                  variable_device: _placement.VariableDevice = "cpu",
                  tower_name: str = "tower",
+                 all_reduce: str = "auto",
                  **compute_gradients_kwargs) -> Towers:
   """Builds one model replica per device and computes each one's gradients.
 
@@ -86,8 +94,21 @@ def build_towers(model_fn: Callable[..., object],
       first tower's device), ``'balanced'`` (each variable to the tower
       device holding the fewest bytes so far), a device string, or a device
       function called on each variable op (``tf.train.replica_device_setter``
-      works).
+      works); or ``'replicated'``: every tower keeps its own copy of each
+      trainable variable on its device, the gradients are all-reduced and
+      every copy applies the same update. Copy 0, on the first tower's
+      device, keeps the single-device name and is the only one saved; copy
+      ``i`` is ``replica_<i>/<name>``, a local variable set from copy 0 by
+      the local init op (after initialization or a restore). Non-trainable
+      variables (batch-norm statistics) keep one copy, on the first tower's
+      device. Train replicated towers with `minimize`.
     tower_name: the prefix of the towers' name scopes.
+    all_reduce: for ``variable_device='replicated'``, how the copies' gradients
+      are summed: ``'add_n'`` (on the first tower's device, every copy reads
+      the result: bitwise the one-copy mode), ``'ring'`` (a ring of graph
+      ops), ``'collective'`` (``CollectiveReduceV2`` with the NCCL hint: NCCL
+      on GPUs, a ring on CPUs) or ``'auto'`` (``'collective'`` when every
+      tower is a distinct GPU, else ``'add_n'``).
     **compute_gradients_kwargs: passed to ``opt.compute_gradients``;
       ``gate_gradients`` defaults to ``GATE_NONE`` (0), since
       `average_gradients` is the synchronization point.
@@ -101,7 +122,9 @@ def build_towers(model_fn: Callable[..., object],
     TypeError: if `num_gpus` is not an integer, `model_fn` is not callable,
       `opt` has no ``compute_gradients``, `devices` holds a non-string, or a
       tower's loss is not a float tensor.
-    ValueError: if `num_gpus` is not positive, `devices` does not have
+    ValueError: if `num_gpus` is not positive, `all_reduce` is unknown or
+      given for a one-copy mode, replicated towers get an optimizer that
+      cannot apply per copy (``SyncReplicasOptimizer``), `devices` does not have
       `num_gpus` entries, a tower's loss is missing or not a scalar, a tower
       after the first creates a trainable variable (the towers would not
       share it), a tower's loss reads another tower's data, or the towers'
@@ -120,6 +143,11 @@ def build_towers(model_fn: Callable[..., object],
         "tf.compat.v1.train.MomentumOptimizer" % (opt,))
   compute_gradients_kwargs.setdefault("gate_gradients",
                                       tf.train.Optimizer.GATE_NONE)
+  replicated = _check_replicated(variable_device, all_reduce, opt)
+  if replicated:
+    all_reduce = _allreduce.resolve(all_reduce,
+                                    _check_devices(devices, num_gpus))
+  first_vars: List[tf.Variable] = []
 
   def tower(index, scope, batch):
     loss, output = _check_result(model_fn(scope, *batch), scope)
@@ -130,7 +158,14 @@ def build_towers(model_fn: Callable[..., object],
     # Only the final tower's summaries are kept: the towers' would share
     # tags once the tower prefix is stripped.
     summaries = tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
-    grads = opt.compute_gradients(loss, **compute_gradients_kwargs)
+    if index > 0 and replicated:
+      kwargs = dict(compute_gradients_kwargs)
+      kwargs.pop("var_list", None)
+      grads = _replicas.tower_gradients(opt, loss, first_vars, index,
+                                        **kwargs)
+    else:
+      grads = opt.compute_gradients(loss, **compute_gradients_kwargs)
+      first_vars.extend(v for _, v in grads)
     return loss, output, grads, update_ops, summaries
 
   built = run_towers(tower, num_gpus, inputs=inputs, devices=devices,
@@ -144,7 +179,8 @@ def build_towers(model_fn: Callable[..., object],
                 tower_grads=list(tower_grads), weights=built.weights,
                 scopes=built.scopes, devices=built.devices,
                 summaries=summaries[-1], update_ops=update_ops[0],
-                outputs=list(outputs), grads_and_vars=None)
+                outputs=list(outputs), grads_and_vars=None,
+                all_reduce=all_reduce if replicated else None)
 
 
 Built = collections.namedtuple("Built", [
@@ -181,6 +217,7 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
         "or build inside `with tf.Graph().as_default():`")
   devices = _check_devices(devices, num_towers)
   placer = _placement.variable_placer(variable_device, devices)
+  replicated = variable_device == _placement.REPLICATED
   shards, weights = None, None
   if inputs is not None and not callable(inputs):
     shards, weights = _inputs.split_inputs(inputs, num_towers,
@@ -192,7 +229,9 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
   with tf.variable_scope(tf.get_variable_scope(), auxiliary_name_scope=False):
     for i, device in enumerate(devices):
       known = len(trainable)
-      with _placement.tower_placement(device, placer), \
+      copies = _replicas.tower_copies(i, device) if replicated \
+          else contextlib.nullcontext()
+      with _placement.tower_placement(device, placer), copies, \
           tf.name_scope("%s_%d" % (tower_name, i)) as scope:
         batch = _inputs.tower_batch(inputs, shards, i)
         results.append(tower_fn(i, scope, batch))
@@ -208,6 +247,26 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
   return Built(results=results, scopes=scopes, devices=devices,
                batches=batches,
                weights=weights)
+
+
+def _check_replicated(variable_device: _placement.VariableDevice,
+                      all_reduce: str, opt: tf.train.Optimizer) -> bool:
+  """Returns whether the towers are replicated; checks the combination."""
+  _allreduce.check_name(all_reduce)
+  replicated = variable_device == _placement.REPLICATED
+  if not replicated and all_reduce != "auto":
+    raise ValueError(
+        "all_reduce=%r applies to variable_device='replicated' (a copy of the "
+        "variables on every tower); with variable_device=%r the towers share "
+        "one copy, averaged next to it: pass variable_device='replicated' or "
+        "drop all_reduce" % (all_reduce, variable_device))
+  if replicated and isinstance(opt, tf.train.SyncReplicasOptimizer):
+    raise ValueError(
+        "variable_device='replicated' keeps a copy of the variables on every "
+        "tower, but SyncReplicasOptimizer aggregates into variables on "
+        "parameter servers; with parameter servers use variable_device="
+        "tf.train.replica_device_setter(...) (one copy)")
+  return replicated
 
 
 def _check_devices(devices: Optional[Sequence[str]],

@@ -5,6 +5,7 @@ from typing import Callable, Optional, Tuple
 import tensorflow.compat.v1 as tf
 
 from towers import _gradients
+from towers import _replicas
 from towers import _replicate
 
 
@@ -39,7 +40,11 @@ def minimize(model_fn: Callable[..., object],
       worker whose variables live on parameter servers, the worker's own
       device keeps the towers' average local.
     **build_towers_kwargs: passed to `build_towers` (``inputs``,
-      ``devices``, ``variable_device``, ``compute_gradients`` arguments).
+      ``devices``, ``variable_device``, ``all_reduce``, ``compute_gradients``
+      arguments). Replicated towers (``variable_device='replicated'``)
+      are all-reduced with their ``all_reduce``; the one ``apply_gradients``
+      updates every copy, and the copies' optimizer slots, like the copies,
+      are local variables set from copy 0's by the local init op.
 
   Returns:
     ``(train_op, towers)``: the training op and the `Towers` built, with
@@ -59,17 +64,42 @@ def minimize(model_fn: Callable[..., object],
   # SyncReplicasOptimizer build queues inside apply_gradients, and a queue
   # that depended on the towers would pull an input batch whenever its queue
   # runner touched it.
-  grads_and_vars = _gradients.average_gradients(
+  groups = _gradients.average_per_copy(
       towers.tower_grads, towers.weights, device=average_device,
-      control_inputs=list(towers.update_ops) + towers.losses)
-  if all(g is None for g, _ in grads_and_vars):
+      control_inputs=list(towers.update_ops) + towers.losses,
+      all_reduce=towers.all_reduce)
+  if all(g is None for g, _ in groups[0]):
     raise ValueError(
         "no variable has a gradient: none of %s reaches the towers' loss"
-        % ", ".join(v.name for _, v in grads_and_vars))
+        % ", ".join(v.name for _, v in groups[0]))
   if clip_norm is not None:
-    grads_and_vars = _clip_by_global_norm(grads_and_vars, clip_norm)
-  train_op = opt.apply_gradients(grads_and_vars, global_step=global_step)
-  return train_op, towers._replace(grads_and_vars=grads_and_vars)
+    groups = _clip_per_copy(groups, clip_norm)
+  # One apply for every copy: optimizers with state of their own (Adam's
+  # beta powers, the global step) advance once per step, not once per copy.
+  with _replicas.local_slots():
+    train_op = opt.apply_gradients([p for group in groups for p in group],
+                                   global_step=global_step)
+  return train_op, towers._replace(grads_and_vars=groups[0])
+
+
+def _clip_per_copy(groups, clip_norm: float):
+  """Clips each copy's gradients by their global norm, on its device.
+
+  Copies given the same tensors (``"add_n"``) share one clipping, so their
+  update stays bitwise the one-copy mode's.
+  """
+  first = groups[0]
+  clipped = [_clip_by_global_norm(first, clip_norm)]
+  for group in groups[1:]:
+    originals = {id(g): c for (g, _), (c, _) in zip(first, clipped[0])
+                 if g is not None}
+    if all(g is None or id(g) in originals for g, _ in group):
+      clipped.append([(None if g is None else originals[id(g)], v)
+                      for g, v in group])
+      continue
+    with tf.device(group[0][1].device):
+      clipped.append(_clip_by_global_norm(group, clip_norm))
+  return clipped
 
 
 def _clip_by_global_norm(grads_and_vars: _gradients.GradsAndVars,

@@ -1,0 +1,173 @@
+"""All-reduce algorithms: one sum of the towers' tensors, on every device.
+
+Each algorithm takes ``[num_towers]`` dense tensors of one shape, tensor ``i``
+on ``devices[i]``, and returns their sum on each device. What differs is where
+the bytes go (P bytes per tensor, N towers):
+
+- ``"add_n"``: ``tf.add_n`` on one device, whose result every device reads:
+  about 2·(N−1)·P through that device. It is `average_gradients`' own sum,
+  the one-copy modes', so its result is bitwise theirs.
+- ``"ring"``: graph ops only. Each tensor is cut into N chunks; chunk ``c``
+  is summed as it travels the ring from device ``c`` (N−1 hops, one add on
+  each), then the finished chunk travels on around (N−1 hops, copies).
+  Every device sends about 2·(N−1)/N·P, in parallel.
+- ``"collective"``: TensorFlow's ``CollectiveReduceV2`` with
+  ``communication_hint="nccl"``: NCCL between GPUs, TensorFlow's own ring
+  between CPUs. The same op on both, so CPU tests run the GPU code path.
+
+The ring and the collective give every device the same bytes (each chunk is
+summed once, then copied), so copies updated with them stay bitwise
+identical; their sums differ from ``add_n``'s in the last bits only (the
+order of additions differs).
+
+A collective op waits for its whole group: fetching one device's output
+alone would hang. Each output here waits for every op of its group, so any
+fetch runs the whole group. Each device also launches its collectives in one
+order (a control edge from its previous one): NCCL deadlocks when two devices
+launch two all-reduces in opposite orders.
+"""
+
+import weakref
+from typing import Dict, List, Sequence
+
+import tensorflow.compat.v1 as tf
+
+ALGORITHMS = ("add_n", "ring", "collective")
+CHOICES = ("auto",) + ALGORITHMS
+
+
+def check_name(all_reduce: object) -> str:
+  """Returns `all_reduce` if it names an algorithm or ``"auto"``."""
+  if not isinstance(all_reduce, str) or all_reduce not in CHOICES:
+    raise ValueError(
+        "expected all_reduce to be one of %s, got %r"
+        % (", ".join(map(repr, CHOICES)), all_reduce))
+  return all_reduce
+
+
+def resolve(all_reduce: str, devices: Sequence[str]) -> str:
+  """Returns the algorithm `all_reduce` stands for on `devices`.
+
+  ``"auto"`` is ``"collective"`` (NCCL) when every device is a distinct
+  GPU, and ``"add_n"`` otherwise: between CPU devices of one host there is
+  no link to spare, and ``"add_n"`` is bitwise the one-copy mode.
+
+  Raises:
+    ValueError: for an unknown name, or ``"collective"`` with two towers on
+      one device (a collective group needs one member per device).
+  """
+  check_name(all_reduce)
+  canonical = [_canonical(d) for d in devices]
+  distinct = len(set(canonical)) == len(canonical)
+  if all_reduce == "auto":
+    gpus = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
+               for d in canonical)
+    return "collective" if gpus and distinct and len(devices) > 1 \
+        else "add_n"
+  if all_reduce == "collective" and not distinct:
+    raise ValueError(
+        "all_reduce='collective' needs a distinct device per tower (a "
+        "collective group has one member per device), got %s; use "
+        "all_reduce='ring' or 'add_n', or one tower per device"
+        % ", ".join(devices))
+  return all_reduce
+
+
+def _canonical(device: str) -> str:
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.replace(device_type=(spec.device_type or "").upper()).to_string()
+
+
+def all_sum(tensors: Sequence[tf.Tensor], devices: Sequence[str],
+            algorithm: str,
+            launched: Dict[str, tf.Operation]) -> List[tf.Tensor]:
+  """Returns the sum of `tensors` on each of `devices`: ``"ring"`` or
+  ``"collective"`` (``"add_n"`` is `average_gradients`' own ``tf.add_n``).
+
+  `launched` maps each device to the last collective launched there by the
+  same reduction (updated here): the next one waits for it.
+  """
+  if algorithm == "ring":
+    return _ring(tensors, devices)
+  if algorithm == "collective":
+    return _collective(tensors, devices, launched)
+  raise ValueError("unknown all-reduce algorithm %r" % (algorithm,))
+
+
+def _ring(tensors: Sequence[tf.Tensor],
+          devices: Sequence[str]) -> List[tf.Tensor]:
+  n = len(tensors)
+  shape = tensors[0].shape
+  chunks = []
+  for tensor, device in zip(tensors, devices):
+    with tf.device(device):
+      flat = tf.reshape(tensor, [-1])
+      chunks.append(tf.split(flat, _chunk_sizes(flat, n)))
+  # Reduce-scatter: chunk c starts on device c; each next device adds its
+  # own part, so the sum's order is fixed by the graph, not by a rewrite.
+  finished = []
+  for c in range(n):
+    total = chunks[c][c]
+    for step in range(1, n):
+      d = (c + step) % n
+      with tf.device(devices[d]):
+        total = total + chunks[d][c]
+    finished.append(total)
+  # All-gather: the finished chunk c (on device c-1) travels on around.
+  gathered: List[List[tf.Tensor]] = [[None] * n for _ in range(n)]
+  for c in range(n):
+    here = (c - 1) % n
+    gathered[here][c] = finished[c]
+    for step in range(1, n):
+      d = (here + step) % n
+      with tf.device(devices[d]):
+        gathered[d][c] = tf.identity(gathered[(d - 1) % n][c])
+  results = []
+  for d in range(n):
+    with tf.device(devices[d]):
+      flat = tf.concat(gathered[d], 0)
+      results.append(tf.reshape(flat, tf.shape(tensors[d]))
+                     if not shape.is_fully_defined()
+                     else tf.reshape(flat, shape))
+  return results
+
+
+def _chunk_sizes(flat: tf.Tensor, n: int):
+  """Sizes of `n` chunks differing by at most one (some may be empty)."""
+  size = flat.shape[0]
+  if size is not None:
+    small, extra = divmod(int(size), n)
+    return [small + 1] * extra + [small] * (n - extra)
+  total = tf.size(flat)
+  small, extra = total // n, total % n
+  return tf.stack([small + tf.cast(i < extra, total.dtype)
+                   for i in range(n)])
+
+
+# Per graph: the group key of each device set, and the last instance key.
+_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _collective(tensors: Sequence[tf.Tensor], devices: Sequence[str],
+                launched: Dict[str, tf.Operation]) -> List[tf.Tensor]:
+  graph = tf.get_default_graph()
+  groups, instances = _KEYS.setdefault(graph, ({}, [0]))
+  members = tuple(sorted(_canonical(d) for d in devices))
+  group_key = groups.setdefault(members, len(groups) + 1)
+  instances[0] += 1
+  outputs = []
+  for tensor, device in zip(tensors, devices):
+    previous = launched.get(_canonical(device))
+    with tf.device(device), tf.control_dependencies(
+        [previous] if previous is not None else []):
+      outputs.append(tf.raw_ops.CollectiveReduceV2(
+          input=tensor, group_size=len(tensors), group_key=group_key,
+          instance_key=instances[0], ordering_token=[], merge_op="Add",
+          final_op="Id", communication_hint="nccl"))
+  group = [o.op for o in outputs]
+  tied = []
+  for output, device in zip(outputs, devices):
+    launched[_canonical(device)] = output.op
+    with tf.device(device), tf.control_dependencies(group):
+      tied.append(tf.identity(output))
+  return tied

@@ -1,0 +1,191 @@
+"""Replicated variables: a copy of every trainable variable on every tower.
+
+Copy 0 is the variable tower 0 creates, with its single-device name, on tower
+0's device: the only copy saved, so checkpoints are the single-device ones.
+Tower ``i > 0`` reads copy ``i``, named ``replica_<i>/<name>``, on its own
+device: a local variable (``LOCAL_VARIABLES`` only, so not saved, not
+trainable) whose initializer reads copy 0. The local init op, which
+``tf.train.MonitoredTrainingSession`` runs after initializing *or* restoring
+the global variables, therefore sets every copy from copy 0; so do the copies'
+optimizer slots, made local the same way when `minimize` applies the step.
+
+Only trainable variables are copied. Batch-norm moving statistics and other
+non-trainable variables keep one copy (tower 0's, updated by tower 0's update
+ops), as in the one-copy modes.
+
+The copies are made by a custom getter in towers ``1..N-1``: ``tf.get_variable``
+(and ``tf.compat.v1.layers``, which call it) return copy ``i`` where tower 0
+got copy 0. A variable a tower reads without ``tf.get_variable`` (created
+before the towers, or by Keras) stays shared.
+"""
+
+import contextlib
+import weakref
+from typing import Dict, Iterator, List, Optional, Tuple, Union
+
+import tensorflow.compat.v1 as tf
+
+PREFIX = "replica_%d/"
+
+Gradient = Union[tf.Tensor, tf.IndexedSlices]
+
+# Per graph: copy op name -> (copy 0, index), and (copy 0 op name, index) ->
+# copy.
+_REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tables(graph: tf.Graph) -> Tuple[Dict[str, Tuple[tf.Variable, int]],
+                                      Dict[Tuple[str, int], tf.Variable]]:
+  return _REGISTRY.setdefault(graph, ({}, {}))
+
+
+def primary_of(var) -> Optional[Tuple[tf.Variable, int]]:
+  """Returns ``(copy 0, index)`` if `var` is a copy, else None."""
+  op = getattr(var, "op", None)
+  if op is None:
+    return None
+  return _tables(op.graph)[0].get(op.name)
+
+
+def copy_of(var: tf.Variable, index: int) -> Optional[tf.Variable]:
+  """Returns copy `index` of `var` (copy 0), or None if it has none."""
+  return _tables(var.graph)[1].get((var.op.name, index))
+
+
+@contextlib.contextmanager
+def tower_copies(index: int, device: str) -> Iterator[None]:
+  """Makes ``tf.get_variable`` return tower `index`'s copies on `device`.
+
+  Tower 0 creates the variables (copy 0) as usual. In a later tower, a
+  request for a trainable variable tower 0 created returns copy `index`,
+  made on first use.
+  """
+  if index == 0:
+    yield
+    return
+  primaries = {v.op.name: v for v in tf.trainable_variables()}
+
+  # TensorFlow passes the next getter as `getter`, by keyword.
+  def copy_getter(getter, name, *args, **kwargs):
+    primary = primaries.get(name)
+    if primary is None:
+      return getter(name, *args, **kwargs)
+    return _copy(getter, primary, index, device)
+
+  with tf.variable_scope(tf.get_variable_scope(), custom_getter=copy_getter,
+                         auxiliary_name_scope=False):
+    yield
+
+
+def _copy(next_getter, primary: tf.Variable, index: int,
+          device: str) -> tf.Variable:
+  existing = copy_of(primary, index)
+  if existing is not None:
+    return existing
+
+  def initializer(*_, **__):
+    # Copy 0's current value: after initialization or a restore, the local
+    # init op sets every copy from it.
+    return primary.read_value()
+
+  with tf.device(device):
+    copy = next_getter(
+        PREFIX % index + primary.op.name, shape=primary.shape,
+        dtype=primary.dtype.base_dtype, initializer=initializer,
+        regularizer=None, trainable=False, reuse=tf.AUTO_REUSE,
+        collections=[tf.GraphKeys.LOCAL_VARIABLES], partitioner=None,
+        caching_device=None, validate_shape=True,
+        use_resource=primary.op.type == "VarHandleOp")
+  copies, by_primary = _tables(copy.graph)
+  copies[copy.op.name] = (primary, index)
+  by_primary[(primary.op.name, index)] = copy
+  return copy
+
+
+def tower_gradients(opt: tf.train.Optimizer, loss: tf.Tensor,
+                    var_list: List[tf.Variable], index: int,
+                    **kwargs) -> List[Tuple[Optional[Gradient], tf.Variable]]:
+  """Tower `index`'s ``(grad, var)`` for copy `index` of each of `var_list`.
+
+  A variable with no copy (never requested through ``tf.get_variable`` in
+  this tower) is its own entry. A copy's gradient also takes the loss's
+  gradient through copy 0, which the tower reads where the loss does not
+  come from its own ``tf.get_variable`` calls (a regularization loss tower
+  0 created): the sum is the gradient of the loss as a function of the one
+  variable, as in the one-copy modes.
+  """
+  copies = [_own(v, index) for v in var_list]
+  through_primary = [v for v, c in zip(var_list, copies) if c is not v]
+  pairs = opt.compute_gradients(loss, var_list=copies + through_primary,
+                                **kwargs)
+  own = pairs[:len(copies)]
+  extra = dict(zip([id(v) for v in through_primary],
+                   [g for g, _ in pairs[len(copies):]]))
+  result = []
+  for (grad, var), primary in zip(own, var_list):
+    other = extra.get(id(primary)) if var is not primary else None
+    result.append((_add(grad, other), var))
+  return result
+
+
+def _add(grad: Optional[Gradient],
+         other: Optional[Gradient]) -> Optional[Gradient]:
+  if grad is None or other is None:
+    return other if grad is None else grad
+  if isinstance(grad, tf.IndexedSlices) and isinstance(other,
+                                                       tf.IndexedSlices):
+    return tf.IndexedSlices(
+        tf.concat([grad.values, other.values], 0),
+        tf.concat([grad.indices, tf.cast(other.indices, grad.indices.dtype)],
+                  0), grad.dense_shape)
+  return tf.convert_to_tensor(grad) + tf.convert_to_tensor(other)
+
+
+def _own(var: tf.Variable, index: int) -> tf.Variable:
+  copy = copy_of(var, index)
+  return var if copy is None else copy
+
+
+@contextlib.contextmanager
+def local_slots() -> Iterator[None]:
+  """Makes the copies' optimizer slots local, set from copy 0's slots.
+
+  Around ``opt.apply_gradients``: a slot of copy ``i`` (``replica_i/<var>/
+  <slot>``) joins ``LOCAL_VARIABLES`` only and starts from copy 0's slot
+  ``<var>/<slot>``, created first because copy 0's pairs come first.
+  """
+  graph = tf.get_default_graph()
+  copies = _tables(graph)[0]
+
+  def creator(next_creator, **kwargs):
+    # Slots are named "<var>/<slot>/", the trailing slash making the name
+    # absolute.
+    name = (kwargs.get("name") or "").rstrip("/")
+    parts = name.split("/")
+    for end in range(len(parts) - 1, 0, -1):
+      found = copies.get("/".join(parts[:end]))
+      if found is None:
+        continue
+      primary = found[0]
+      slot_name = "/".join([primary.op.name] + parts[end:])
+      slot = _global_variable(graph, slot_name)
+      if slot is None:
+        raise ValueError(
+            "replicated mode: the optimizer created %s for a copy but copy "
+            "0 has no %s; apply the gradients with towers.minimize, once "
+            "per step, with copy 0's pairs first" % (name, slot_name))
+      kwargs["initial_value"] = slot.read_value
+      kwargs["collections"] = [tf.GraphKeys.LOCAL_VARIABLES]
+      kwargs["trainable"] = False
+      break
+    return next_creator(**kwargs)
+
+  with tf.variable_creator_scope(creator):
+    yield
+
+
+def _global_variable(graph: tf.Graph, name: str) -> Optional[tf.Variable]:
+  for var in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES):
+    if var.op.name == name:
+      return var
+  return None
