@@ -85,6 +85,39 @@ def train_with_batch_norm():
           "variable_ops": kinds}
 
 
+def replicated_batch_norm():
+  """tf.layers with batch norm, replicated against the one-copy mode."""
+  x, y = data()
+  values, init = {}, None
+  for mode in ["gpu", "replicated"]:
+    with tf.Graph().as_default() as g:
+      train_op, _ = towers.minimize(
+          lambda scope, a, b: model(scope, a, b, True),
+          tf.train.MomentumOptimizer(0.05, 0.9), 2,
+          inputs=(tf.constant(x), tf.constant(y)),
+          devices=["/cpu:0", "/cpu:1"], variable_device=mode)
+      with tf.Session(graph=g, config=config(2)) as sess:
+        sess.run(tf.global_variables_initializer())
+        if init is None:
+          init = {v.op.name: sess.run(v) for v in tf.global_variables()}
+        for v in tf.global_variables():
+          v.load(init[v.op.name], sess)
+        sess.run(tf.local_variables_initializer())
+        for _ in range(10):
+          sess.run(train_op)
+        values[mode] = {v.op.name: sess.run(v) for v in
+                        tf.global_variables() + tf.local_variables()}
+  got = values["replicated"]
+  copies = sorted(n for n in got if n.startswith("replica_"))
+  return {
+      "replicated_gap": max(float(np.max(np.abs(got[n] - v)))
+                            for n, v in values["gpu"].items()),
+      "replicated_copies": copies,
+      "copies_gap": max(float(np.max(np.abs(got[n] - got[n.split("/", 1)[1]])))
+                        for n in copies),
+  }
+
+
 def keras_layer_per_tower_error():
   """A Keras Dense object built anew per tower: must be refused."""
   with tf.Graph().as_default():
@@ -109,6 +142,7 @@ def main():
   result = {"tf": tf.__version__, "gradient_gap": gradient_gap(),
             "keras_error": keras_layer_per_tower_error()}
   result.update(train_with_batch_norm())
+  result.update(replicated_batch_norm())
   print(json.dumps(result))
 
 

@@ -55,3 +55,12 @@ def test_variable_kind_follows_the_run(result, variable_op_type):
 def test_keras_layer_built_per_tower_is_refused(result):
   assert result["keras_error"] is not None
   assert "tf.get_variable" in result["keras_error"]
+
+
+def test_replicated_layers_with_batch_norm_equal_the_one_copy_mode(result):
+  # Bitwise (add_n on CPUs); gamma and beta copied, moving statistics not.
+  assert result["replicated_gap"] == 0
+  assert result["copies_gap"] == 0
+  copied = {n.split("/", 1)[1] for n in result["replicated_copies"]}
+  assert {"bn/gamma", "bn/beta", "conv/kernel", "dense/kernel"} <= copied
+  assert not [n for n in copied if "moving" in n]
