@@ -35,7 +35,8 @@ def infer(model_fn: Callable[..., object],
       batch on axis 0 (as for `build_towers`; not a callable: the outputs
       must come back in the batch's order).
     devices: ``[num_gpus]`` tower devices; default ``['/gpu:0', ...]``.
-    variable_device: as for `build_towers`.
+    variable_device: as for `build_towers`; ``'replicated'`` reads each
+      tower's copy of the variables.
     tower_name: the prefix of the towers' name scopes.
 
   Returns:
