@@ -9,6 +9,7 @@ import numpy as np
 
 from benchmarks import graphs
 from benchmarks import quiet
+from benchmarks import traffic
 
 # The issue's targets.
 ONE_TOWER_RATIO = 0.97
@@ -21,6 +22,21 @@ PEAK_MEMORY_RATIO = 0.80
 # gradients, timed inside one build, so machine drift between builds does
 # not enter).
 BUILD_TOWER_GROWTH = 1.25
+# The replicated mode's (issue 10): replicated with the ring or the
+# collective all-reduce against the one-copy "cpu" mode, and every mode of
+# towers against independent towers (a copy each, nothing exchanged), at
+# the same number of towers.
+REPLICATED_RATIO = 0.95
+INDEPENDENT_RATIO = 0.95
+MODES = (graphs.TOWERS, graphs.BALANCED) + tuple(graphs.REPLICATED)
+RINGS = (graphs.REPLICATED_RING, graphs.REPLICATED_COLLECTIVE)
+# Bytes through the busiest device per step, from this many towers on: a
+# ring at most this share of the "cpu" mode's.
+BYTES_RATIO = 0.5
+BYTES_MIN_TOWERS = 4
+# Every variant's measured bytes through its busiest device within this
+# share of the figure its design predicts.
+TRAFFIC_TOLERANCE = 0.10
 # The process peak (resident memory) must see at least this share of the
 # tensors the step allocates at once; below it, resident memory does not
 # follow the tensors on this machine, and the measure is unavailable.
@@ -60,33 +76,84 @@ def _ratio_detail(ratio: float, interval: Tuple[float, float],
   return "%.3fx [%.3f, %.3f]%s" % (ratio, low, high, noise)
 
 
-def throughput_targets(rows: List[Dict[str, object]]) -> None:
-  """Adds each `towers` row's targets (``row["targets"]``) in place.
+def _speed_target(row: Dict[str, object], reference: Dict[str, object],
+                  need: float) -> Dict[str, object]:
+  ratio = row["examples_per_sec"] / reference["examples_per_sec"]
+  return _target(">= %.2fx %s" % (need, reference["variant"]), ratio >= need,
+                 _ratio_detail(ratio, ratio_interval(row, reference), need))
 
-  A target is met or not by the medians. Each detail gives the ratio with
-  its 95% bootstrap interval (`ratio_interval`), and says "within noise"
-  where that interval holds the threshold.
+
+def throughput_targets(rows: List[Dict[str, object]]) -> None:
+  """Adds each row's targets (``row["targets"]``) in place.
+
+  A speed target is met or not by the medians. Each detail gives the ratio
+  with its 95% bootstrap interval (`ratio_interval`), and says "within
+  noise" where that interval holds the threshold. The traffic targets
+  (`traffic_targets`) are counts, not timings: no interval.
   """
   by_key = {(r["variant"], r["num_towers"]): r for r in rows}
   plain = by_key[(graphs.PLAIN, 1)]
   for row in rows:
     row["targets"] = []
-    if row["variant"] not in (graphs.TOWERS, graphs.BALANCED):
-      continue
-    n = row["num_towers"]
-    need = ONE_TOWER_RATIO if n == 1 else MANY_TOWERS_RATIO
-    row["targets"].append(_target(
-        ">= %.2fx plain" % need, row["ratio_to_plain"] >= need,
-        _ratio_detail(row["ratio_to_plain"], ratio_interval(row, plain),
-                      need)))
-    for other in (graphs.ORIGINAL, graphs.MIRRORED):
-      rival = by_key.get((other, n))
-      if rival is None:
-        continue
-      speedup = row["examples_per_sec"] / rival["examples_per_sec"]
+    variant, n = row["variant"], row["num_towers"]
+    if variant in (graphs.TOWERS, graphs.BALANCED):
+      need = ONE_TOWER_RATIO if n == 1 else MANY_TOWERS_RATIO
       row["targets"].append(_target(
-          "faster than %s" % other, speedup > 1.0,
-          _ratio_detail(speedup, ratio_interval(row, rival), 1.0)))
+          ">= %.2fx plain" % need, row["ratio_to_plain"] >= need,
+          _ratio_detail(row["ratio_to_plain"], ratio_interval(row, plain),
+                        need)))
+      for other in (graphs.ORIGINAL, graphs.MIRRORED):
+        rival = by_key.get((other, n))
+        if rival is None:
+          continue
+        speedup = row["examples_per_sec"] / rival["examples_per_sec"]
+        row["targets"].append(_target(
+            "faster than %s" % other, speedup > 1.0,
+            _ratio_detail(speedup, ratio_interval(row, rival), 1.0)))
+    one_copy = by_key.get((graphs.TOWERS, n))
+    if variant in RINGS and one_copy:
+      row["targets"].append(_speed_target(row, one_copy, REPLICATED_RATIO))
+    independent = by_key.get((graphs.INDEPENDENT, n))
+    if variant in MODES and n > 1 and independent:
+      row["targets"].append(_speed_target(row, independent,
+                                          INDEPENDENT_RATIO))
+    row["targets"] += traffic_targets(row, one_copy)
+
+
+def traffic_targets(row: Dict[str, object],
+                    one_copy: Optional[Dict[str, object]]
+                   ) -> List[Dict[str, object]]:
+  """Returns a row's targets on the bytes that cross between devices.
+
+  Every measured row: the bytes through its busiest device within
+  `TRAFFIC_TOLERANCE` of the expected figure. The ring and collective rows
+  from `BYTES_MIN_TOWERS` towers on: at most `BYTES_RATIO` of the bytes
+  through the "cpu" mode's (`one_copy`) busiest device.
+  """
+  moved = row.get("traffic")
+  if not moved:
+    return []
+  targets = []
+  if row["variant"] in RINGS and row["num_towers"] >= BYTES_MIN_TOWERS and (
+      one_copy and one_copy.get("traffic")):
+    theirs = one_copy["traffic"]["busiest_bytes"]
+    ratio = moved["busiest_bytes"] / theirs if theirs else float("inf")
+    targets.append(_target(
+        "busiest device's bytes <= %.2fx towers'" % BYTES_RATIO,
+        ratio <= BYTES_RATIO, "%.1f vs %.1f MiB: %.2fx" % (
+            moved["busiest_bytes"] / MIB, theirs / MIB, ratio)))
+  error = traffic.relative_error(moved["busiest_bytes"],
+                                 moved["expected_busiest_bytes"])
+  targets.append(_target(
+      "bytes within %d%% of expected" % round(100 * TRAFFIC_TOLERANCE),
+      abs(error) <= TRAFFIC_TOLERANCE, "%s %.1f MiB, expected %.1f MiB: %s"
+      % (moved["busiest_device"], moved["busiest_bytes"] / MIB,
+         moved["expected_busiest_bytes"] / MIB, _percent(error))))
+  return targets
+
+
+def _percent(error: float) -> str:
+  return "%+.1f%%" % (100 * error) if error != float("inf") else "expected 0"
 
 
 def process_unavailable(measured: Dict[str, object]) -> Optional[str]:
@@ -209,6 +276,75 @@ def _process_mib(row: Dict[str, object], unavailable: Optional[str]) -> str:
   return "%.0f" % (row["rss_peak_extra_bytes"] / MIB)
 
 
+def _traffic_note(parameter_bytes: int) -> str:
+  return (
+      "Bytes that cross between devices in one step, in MiB, for the "
+      "parameters (variables, gradients, their sums; P = %s MiB); through a "
+      "device = sent + received. Counted from the step's partition graphs, "
+      "each `_Send` between two devices sized by its tensor's static shape "
+      "and dtype; the all-reduces of the rows marked * are collective ops, "
+      "which are no sends: counted from their ring algorithm (each device "
+      "sends 2(N-1)/N of each tensor and receives as much). The input "
+      "shards that /cpu:0 sends the towers are counted apart (last column), "
+      "as are control edges (no bytes). Expected: each variable's device "
+      "sends it to the N-1 other towers and receives their N-1 gradients "
+      "(towers, towers_balanced, original, replicated_add_n: 2(N-1)P "
+      "through /cpu:0, tower 0's device here; 2NP where no tower shares "
+      "it); 2(N-1)/N P each way per device (ring, collective); nothing "
+      "(plain, independent). Counts, not timings: a GPU machine moves the "
+      "same bytes." % _mib(parameter_bytes))
+
+
+def _mib(size: float) -> str:
+  return "%.1f" % (size / MIB)
+
+
+def _busiest(moved: Optional[Dict[str, object]]) -> str:
+  if not moved:
+    return "-"
+  return "%s %s (%s)" % (moved["busiest_device"],
+                         _mib(moved["busiest_bytes"]),
+                         _mib(moved["expected_busiest_bytes"]))
+
+
+def traffic_markdown(workload: Dict[str, object]) -> List[str]:
+  """Returns a workload's table of the bytes its variants move per step."""
+  rows = [r for r in workload["rows"] if r.get("traffic")]
+  if not rows:
+    return []
+  lines = [_traffic_note(rows[0]["traffic"]["parameter_bytes"]), "",
+           "| variant | towers | examples/sec | busiest device, MiB through "
+           "it (expected) | per device: MiB sent / received (expected) | "
+           "tensors sent per device (expected) | input MiB (tensors) |",
+           "|---|---:|---:|---|---|---|---:|"]
+  for row in rows:
+    moved = row["traffic"]
+    devices = moved["devices"]
+    per_device = "; ".join(
+        "%s %s / %s (%s / %s)" % (d, _mib(f["sent_bytes"]),
+                                  _mib(f["received_bytes"]),
+                                  _mib(f["expected_sent_bytes"]),
+                                  _mib(f["expected_received_bytes"]))
+        for d, f in devices.items())
+    tensors = "; ".join("%s %d (%d)" % (d, f["sent_tensors"],
+                                        f["expected_sent_tensors"])
+                        for d, f in devices.items())
+    lines.append("| %s%s | %d | %.1f | %s | %s | %s | %s (%d) |" % (
+        row["variant"], " *" if moved["collectives"] else "",
+        row["num_towers"], row["examples_per_sec"], _busiest(moved),
+        per_device, tensors, "%.2f" % (moved["input_bytes"] / MIB),
+        moved["input_tensors"]))
+  unsized = sorted({n for r in rows for n in r["traffic"]["unsized"]})
+  lines.append("")
+  if unsized:
+    lines += ["Sent tensors of unknown size, in no count: %s."
+              % ", ".join(unsized), ""]
+  if any(r["variant"] == graphs.MIRRORED for r in workload["rows"]):
+    lines += ["mirrored: not counted (its all-reduce runs inside "
+              "tf.function, in a worker process).", ""]
+  return lines
+
+
 def markdown(results: Dict[str, object]) -> str:
   """Returns the results as markdown tables.
 
@@ -223,18 +359,19 @@ def markdown(results: Dict[str, object]) -> str:
     lines += ["### %s, global batch %d%s" % (
         workload["title"], workload["global_batch"],
         " (quick run)" if quick else ""), ""]
+    header = ("| variant | towers | examples/sec | x plain | step ms "
+              "(median [q1, q3]) | MiB/step through busiest device "
+              "(expected) |")
     if quick:
-      lines += ["| variant | towers | examples/sec | x plain | step ms "
-                "(median [q1, q3]) |", "|---|---:|---:|---:|---:|"]
+      lines += [header, "|---|---:|---:|---:|---:|---:|"]
     else:
-      lines += ["| variant | towers | examples/sec | x plain | step ms "
-                "(median [q1, q3]) | targets |",
-                "|---|---:|---:|---:|---:|---|"]
+      lines += [header + " targets |", "|---|---:|---:|---:|---:|---:|---|"]
     for row in workload["rows"]:
-      line = "| %s | %d | %.1f | %.3f | %.1f [%.1f, %.1f] |" % (
+      line = "| %s | %d | %.1f | %.3f | %.1f [%.1f, %.1f] | %s |" % (
           row["variant"], row["num_towers"], row["examples_per_sec"],
           row["ratio_to_plain"], 1e3 * row["median_step_sec"],
-          1e3 * row["q1_step_sec"], 1e3 * row["q3_step_sec"])
+          1e3 * row["q1_step_sec"], 1e3 * row["q3_step_sec"],
+          _busiest(row.get("traffic")))
       if not quick:
         line += " %s |" % _met(row["targets"])
       lines.append(line)
@@ -247,6 +384,7 @@ def markdown(results: Dict[str, object]) -> str:
               "repeated: %d." % (quiet.describe(
                   workload["rounds"]["foreign_cores"]),
                                  workload["rounds"]["repeated_rounds"]), ""]
+    lines += traffic_markdown(workload)
   averaging = results.get("average_gradients")
   if averaging:
     unavailable = averaging.get("process_unavailable")
@@ -336,6 +474,8 @@ def chart(results: Dict[str, object], path: str) -> Optional[str]:
   figure, axes = pyplot.subplots(1, len(workloads), squeeze=False,
                                  figsize=(4.6 * len(workloads), 3.6))
   styles = {graphs.TOWERS: "o-", graphs.BALANCED: "s--",
+            graphs.REPLICATED_ADD_N: "D-", graphs.REPLICATED_RING: "P-",
+            graphs.REPLICATED_COLLECTIVE: "X--", graphs.INDEPENDENT: "h-.",
             graphs.ORIGINAL: "^-", graphs.MIRRORED: "v-"}
   for ax, workload in zip(axes[0], workloads):
     rows = workload["rows"]

@@ -10,6 +10,10 @@ CIFAR-10 CNNs on synthetic in-memory batches as
 - plain: one device, ``opt.minimize(loss)``, the limit;
 - towers: `towers.minimize` over 1, 2 and 4 towers (the global batch split),
   variables on ``/cpu:0``, and with ``variable_device="balanced"``;
+- replicated: `towers.minimize` with ``variable_device="replicated"`` (a copy
+  of the variables per tower), with each ``all_reduce`` algorithm;
+- independent: a copy per tower, each trained on its own shard, nothing
+  exchanged: the upper bound of split compute;
 - original: the same towers averaged the original tutorial's way;
 - mirrored: TF2's ``tf.distribute.MirroredStrategy`` with a ``tf.function``
   step, each strategy in a worker process of its own (skipped, with the
@@ -17,14 +21,16 @@ CIFAR-10 CNNs on synthetic in-memory batches as
 
 then `towers.average_gradients` alone against the original's on a large
 gradient set (time and peak memory), and the graph build time and op count
-of 1, 2, 4 and 8 towers. Warm-up steps are not timed; variants are
-interleaved in rounds (each round runs a few steps of every variant, in a
-random order, after one untimed step) and the median step time over all
-rounds gives examples/sec. A round during which other processes kept the machine
-busy is repeated once they are quiet (within --quiet_wait_minutes); the
-cores they used are recorded per round. Results go to ``--out``:
-results.json, results.md and
-examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
+of 1, 2, 4 and 8 towers. Every graph variant also counts the bytes and
+tensors that cross between its devices in one untimed step, beside the
+figure its design predicts (`benchmarks.traffic`). Warm-up steps are not
+timed; variants are interleaved in rounds (each round runs a few steps of
+every variant, in a random order, after one untimed step) and the median
+step time over all rounds gives examples/sec. A round during which other
+processes kept the machine busy is repeated once they are quiet (within
+--quiet_wait_minutes); the cores they used are recorded per round. Results
+go to ``--out``: results.json, results.md and examples_per_sec.png (when
+matplotlib, the ``bench`` extra, is installed).
 ``--quick`` runs a small version in under a minute, to check that everything
 runs: its results (in their own default directory) say they are a quick run,
 and it gives no verdicts on the targets. See docs/performance.md.
@@ -184,15 +190,21 @@ def throughput(workload: workloads.Workload, *, global_batch: int,
   plan = [(graphs.PLAIN, 1)]
   plan += [(graphs.TOWERS, n) for n in tower_counts]
   # With one tower, "balanced" places every variable on that tower's
-  # device, as "cpu" does here: the same graph, so it is not run again.
-  plan += [(graphs.BALANCED, n) for n in tower_counts if n > 1]
+  # device, as "cpu" does here: the same graph, so it is not run again. So
+  # do the replicated modes (one copy, nothing to reduce), and one
+  # independent tower is plain.
+  many = [n for n in tower_counts if n > 1]
+  plan += [(graphs.BALANCED, n) for n in many]
+  plan += [(variant, n) for variant in graphs.REPLICATED for n in many]
+  plan += [(graphs.INDEPENDENT, n) for n in many]
   plan += [(graphs.ORIGINAL, n) for n in tower_counts]
-  runners, num_ops = {}, {}
+  runners, num_ops, moved = {}, {}, {}
   for variant, n in plan:
     step = graphs.GraphStep(workload, variant, n, images, labels,
                             num_devices)
     runners[(variant, n)] = step
     num_ops[(variant, n)] = step.num_ops
+    moved[(variant, n)] = step.traffic
   before_timing()
   for n, worker in sorted(workers.items()):
     worker.wait_until_ready()
@@ -209,7 +221,8 @@ def throughput(workload: workloads.Workload, *, global_batch: int,
   rows = []
   for (variant, n), seconds in times.items():
     row = {"variant": variant, "num_towers": n,
-           "num_ops": num_ops.get((variant, n))}
+           "num_ops": num_ops.get((variant, n)),
+           "traffic": moved.get((variant, n))}
     row.update(_step_stats(seconds))
     row["examples_per_sec"] = global_batch / row["median_step_sec"]
     rows.append(row)

@@ -4,21 +4,31 @@ Speed targets are the benchmark's business (docs/performance.md), never a
 test's: this only keeps the benchmark code from rotting, and checks what the
 benchmark decides without measuring: when MirroredStrategy is skipped, that a
 quick run gives no verdicts, that a process peak blind to the tensors gives
-none either.
+none either. The bytes that cross between devices are counts, not timings:
+those are checked exactly, on a model small enough to count by hand.
 """
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import towers
 from benchmarks import mirrored
 from benchmarks import report
 from benchmarks import run
+from benchmarks import traffic
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MIB = 1 << 20
+# A verdict on a target: "met" or "not met" as a word ("parameters" is none).
+VERDICT = re.compile(r"\bmet\b")
 
 
 def test_quick_benchmark_reports_every_variant(tmp_path):
@@ -38,6 +48,8 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   [mnist] = results["throughput"]
   seen = {(r["variant"], r["num_towers"]) for r in mnist["rows"]}
   want = {("plain", 1), ("towers", 1), ("towers", 2), ("towers_balanced", 2),
+          ("replicated_add_n", 2), ("replicated_ring", 2),
+          ("replicated_collective", 2), ("independent", 2),
           ("original", 1), ("original", 2)}
   if not skipped:
     want |= {("mirrored", 1), ("mirrored", 2)}
@@ -47,6 +59,30 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
     assert row["ratio_to_plain"] > 0, row
     assert row["steps_timed"] > 0, row
     assert row["targets"] == [], row
+
+  # Counts, not timings: exact even in a quick run. At 2 towers every
+  # pattern sends each device's P once each way, but the one-copy modes
+  # send more (the model reads two weights twice: see the traffic table).
+  moved = {(r["variant"], r["num_towers"]): r["traffic"]
+           for r in mnist["rows"] if r["variant"] != "mirrored"}
+  size = moved[("plain", 1)]["parameter_bytes"]
+  assert size == 4 * 3274634  # The MNIST CNN's parameters.
+  for key in [("replicated_add_n", 2), ("replicated_ring", 2),
+              ("replicated_collective", 2)]:
+    for device in ("cpu:0", "cpu:1"):
+      fields = moved[key]["devices"][device]
+      assert fields["sent_bytes"] == fields["received_bytes"] == size, key
+      assert fields["expected_sent_bytes"] == size, key
+  assert moved[("replicated_collective", 2)]["collectives"] == 16
+  assert moved[("replicated_ring", 2)]["collectives"] == 0
+  assert moved[("independent", 2)]["busiest_bytes"] == 0
+  assert moved[("towers", 2)]["busiest_bytes"] > 2 * size
+  assert moved[("towers", 1)]["busiest_bytes"] == 0
+  for key, fields in moved.items():
+    # The towers' shards of the 32 images and labels; none with one tower.
+    shard = 16 * (28 * 28 * 4 + 8)
+    assert fields["input_bytes"] == (shard if key[1] == 2 else 0), key
+    assert fields["unsized"] == [], key
 
   averaging = results["average_gradients"]
   for name in ("towers", "original"):
@@ -67,8 +103,9 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   # A quick run is no measurement: it says so, and gives no verdict.
   assert results["targets"] == []
   assert "| towers | 2 |" in done.stdout
+  assert "| replicated_collective * | 2 |" in done.stdout
   assert "quick run: no verdicts" in done.stdout
-  assert "met" not in done.stdout.replace("not measurements", "")
+  assert not VERDICT.search(done.stdout)
   table = (out / "results.md").read_text()
   assert table.startswith("**Quick run (--quick)")
   # The chart is optional: drawn exactly when matplotlib is installed.
@@ -151,7 +188,7 @@ def test_quick_results_give_no_verdicts():
   assert table.startswith("**Quick run (--quick)")
   assert "(quick run)" in table
   assert table.count("Targets: quick run: no verdicts.") == 3
-  assert "met" not in table.replace("not measurements", "")
+  assert not VERDICT.search(table)
 
 
 def test_a_process_peak_blind_to_the_tensors_is_unavailable():
@@ -185,3 +222,141 @@ def test_a_skipped_mirrored_strategy_is_reported_with_its_reason():
   results = _results(quick=True, mirrored_skipped=reason)
   report.add_targets(results)
   assert reason in report.markdown(results)
+
+
+def _tiny_traffic(**minimize_kwargs):
+  """Counts one step of a 4-tower linear model: w [4, 4] and b [4].
+
+  P = 20 floats = 80 bytes; the global batch x is [8, 4] floats on /cpu:0,
+  so each tower's shard is [2, 4] = 32 bytes.
+  """
+  devices = ["/cpu:%d" % i for i in range(4)]
+  graph = tf.Graph()
+  with graph.as_default():
+    with tf.device("/cpu:0"):
+      x = tf.constant(np.arange(32, dtype=np.float32).reshape([8, 4]))
+
+    def model_fn(scope, batch):
+      del scope  # Unused.
+      w = tf.get_variable("w", [4, 4])
+      b = tf.get_variable("b", [4])
+      return tf.reduce_mean(tf.square(tf.matmul(batch, w) + b))
+
+    train_op, _ = towers.minimize(
+        model_fn, tf.train.GradientDescentOptimizer(0.1), 4, inputs=x,
+        devices=devices, **minimize_kwargs)
+    parameters = tf.trainable_variables() + tf.local_variables()
+    init = tf.global_variables_initializer()
+    local_init = tf.local_variables_initializer()
+  config = towers.virtual_cpu_config(4, operation_timeout_in_ms=60000)
+  with tf.Session(graph=graph, config=config) as session:
+    session.run(init)
+    session.run(local_init)
+    return traffic.measure(session, train_op, graph, parameters, [x])
+
+
+def _fields(sent, received, sent_tensors, received_tensors):
+  return {"sent_bytes": sent, "received_bytes": received,
+          "sent_tensors": sent_tensors, "received_tensors": received_tensors}
+
+
+# By hand, P = 80 bytes in 2 variables, 4 towers on /cpu:0 ... /cpu:3.
+# cpu: /cpu:0 sends w and b to each other tower (3 x 80 bytes, 6 tensors)
+# and gets each one's 2 gradients back; each other tower the reverse.
+STAR_FROM_CPU0 = {"cpu:0": _fields(240, 240, 6, 6),
+                  **{"cpu:%d" % i: _fields(80, 80, 2, 2) for i in (1, 2, 3)}}
+# ring: each variable cut in 4 chunks (w: 4 x 16 bytes, b: 4 x 4), each
+# device sends 3 chunks of each while summing and 3 while gathering:
+# 2 x 3/4 x 80 = 120 bytes in 2 x 2 x 3 = 12 tensors, and gets as much.
+RING_OF_4 = {"cpu:%d" % i: _fields(120, 120, 12, 12) for i in range(4)}
+
+
+@pytest.mark.parametrize("minimize_kwargs, want", [
+    ({}, STAR_FROM_CPU0),
+    ({"variable_device": "replicated", "all_reduce": "add_n"},
+     STAR_FROM_CPU0),
+    ({"variable_device": "replicated", "all_reduce": "ring"}, RING_OF_4),
+    ({"variable_device": "replicated", "all_reduce": "collective"},
+     RING_OF_4),
+], ids=["cpu", "add_n", "ring", "collective"])
+def test_traffic_of_a_tiny_model_is_what_its_design_moves(minimize_kwargs,
+                                                         want):
+  measured = _tiny_traffic(**minimize_kwargs)
+  assert measured["devices"] == want
+  # The shards of x that /cpu:0 sends towers 1-3, counted apart.
+  assert measured["input"] == {"bytes": 3 * 32, "tensors": 3}
+  assert measured["other"] == {"bytes": 0, "tensors": 0}
+  assert measured["unsized"] == []
+  assert measured["control_edges"] > 0
+  collective = minimize_kwargs.get("all_reduce") == "collective"
+  # Counted from the algorithm: 2 variables on 4 devices.
+  assert measured["collectives"] == (8 if collective else 0)
+  pattern = traffic.RING if minimize_kwargs.get("all_reduce") in (
+      "ring", "collective") else traffic.STAR
+  expectation = traffic.expected(pattern, [("/cpu:0", 64), ("/cpu:0", 16)],
+                                 ["/cpu:%d" % i for i in range(4)])
+  assert expectation == want
+
+
+def test_traffic_expected_for_parameters_on_a_device_of_their_own():
+  # Variables on /cpu:0 and 4 towers elsewhere (GPUs): 2NP through /cpu:0.
+  expectation = traffic.expected(traffic.STAR, [("/cpu:0", 80)],
+                                 ["/gpu:%d" % i for i in range(4)])
+  assert traffic.busiest(expectation) == ("cpu:0", 2 * 4 * 80)
+  assert expectation["gpu:3"] == _fields(80, 80, 1, 1)
+  assert traffic.expected(traffic.NONE, [("/cpu:0", 80)], ["/cpu:0",
+                                                            "/cpu:1"]) == {
+      "cpu:0": _fields(0, 0, 0, 0), "cpu:1": _fields(0, 0, 0, 0)}
+
+
+def _moved(devices, expectation, collectives=0):
+  """A made-up traffic count of 4 towers, summarized as `run.run` does."""
+  measured = {"devices": devices, "input": {"bytes": MIB, "tensors": 3},
+              "other": {"bytes": 0, "tensors": 0}, "control_edges": 3,
+              "collectives": collectives, "unsized": []}
+  return traffic.summarize(measured, expectation, parameter_bytes=80 * MIB)
+
+
+def test_replicated_rows_get_speed_and_traffic_verdicts():
+  results = _results(quick=False)
+  devices = ["/cpu:%d" % i for i in range(4)]
+  star = traffic.expected(traffic.STAR, [("/cpu:0", 80 * MIB)], devices)
+  ring = traffic.expected(traffic.RING, [("/cpu:0", 80 * MIB)], devices)
+  # The one-copy mode reads its 80 MiB one and a half times: 600 MiB
+  # through /cpu:0 where 480 are expected.
+  read_twice = {d: dict(f) for d, f in star.items()}
+  read_twice["cpu:0"]["sent_bytes"] = 360 * MIB
+  nothing = traffic.expected(traffic.NONE, [], devices)
+  rows = results["throughput"][0]["rows"]
+  rows += [dict(_row("towers", 4, 0.10), traffic=_moved(read_twice, star)),
+           dict(_row("replicated_ring", 4, 0.10), traffic=_moved(ring, ring)),
+           dict(_row("replicated_collective", 4, 0.20),
+                traffic=_moved(ring, ring, collectives=8)),
+           dict(_row("independent", 4, 0.10),
+                traffic=_moved(nothing, nothing))]
+  report.add_targets(results)
+  verdicts = {(t["scope"], t["target"]): t for t in results["targets"]}
+
+  def met(scope, target):
+    return verdicts[("mnist %s" % scope, target)]["met"]
+
+  assert met("replicated_ring x4", ">= 0.95x towers")
+  assert not met("replicated_collective x4", ">= 0.95x towers")
+  assert met("replicated_ring x4", ">= 0.95x independent")
+  assert met("towers x4", ">= 0.95x independent")
+  assert not met("replicated_collective x4", ">= 0.95x independent")
+  # 240 MiB through each device of the ring against 600: 0.40x.
+  ring_bytes = verdicts[("mnist replicated_ring x4",
+                         "busiest device's bytes <= 0.50x towers'")]
+  assert ring_bytes["met"] and "0.40x" in ring_bytes["detail"]
+  within = "bytes within 10% of expected"
+  assert not met("towers x4", within)
+  assert "+25.0%" in verdicts[("mnist towers x4", within)]["detail"]
+  assert met("replicated_ring x4", within)
+  assert met("independent x4", within)
+  assert ("mnist original x1", within) not in verdicts  # Not counted.
+  table = report.markdown(results)
+  assert "| replicated_collective * | 4 | 160.0 | cpu:0 240.0 (240.0) |" in (
+      table)
+  assert "| towers | 4 | 320.0 | cpu:0 600.0 (480.0) |" in table
+  assert "cpu:0 360.0 / 240.0 (240.0 / 240.0); cpu:1 80.0 / 80.0" in table

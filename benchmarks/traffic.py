@@ -1,0 +1,331 @@
+"""Bytes and tensors that cross between devices in one training step.
+
+A step's partition graphs (``RunOptions.output_partition_graphs``) hold one
+graph per device; a tensor that goes from one device to another leaves its
+device through a ``_Send`` node whose ``send_device`` is not its
+``recv_device``. Each such send is counted once, for the device that sends
+(sent) and the one that receives (received). Its bytes are the static shape
+and dtype of the tensor it sends, looked up by name in the graph the step was
+built from: the partitioner keeps the names of the nodes it splits. Its own
+sends, which carry control edges across devices, send a zero-element dummy
+constant that is in no graph of ours: they move no data and are counted
+apart, as control edges.
+
+Collective ops (``CollectiveReduceV2``) move their data inside the op, not
+through sends, so the partition graphs do not show it: their traffic is
+counted from their algorithm, a ring (NCCL's between GPUs, TensorFlow's own
+between CPUs), in which each of the N devices sends 2·(N−1)/N of the tensor,
+in 2·(N−1) messages, and receives as much.
+
+What a tensor carries decides where it is counted: *parameters* are tensors
+computed from a trainable variable or a copy of one (the variables, the
+gradients, their sums and the losses), *input* tensors are computed from the
+input batch alone (the towers' shards), *other* tensors from neither (a
+constant). The counts depend on the graph, not on the hardware: on virtual
+CPU devices, where a send passes a pointer, they are the bytes a GPU machine
+would copy.
+"""
+
+import re
+from typing import Dict, Iterable, Sequence, Set, Tuple
+
+import tensorflow.compat.v1 as tf
+
+PARAMETERS = "parameters"
+INPUT = "input"
+OTHER = "other"
+
+# How a variant's parameters are expected to cross devices (`expected`).
+STAR = "star"
+RING = "ring"
+NONE = "none"
+
+COLLECTIVE_OPS = frozenset(["CollectiveReduce", "CollectiveReduceV2"])
+SEND_OPS = frozenset(["_Send", "_HostSend"])
+FIELDS = ("sent_bytes", "received_bytes", "sent_tensors", "received_tensors")
+
+
+def device_name(device: str) -> str:
+  """Returns a device's short name, ``"cpu:0"`` for any spelling of it."""
+  spec = tf.DeviceSpec.from_string(device)
+  return "%s:%d" % ((spec.device_type or "cpu").lower(),
+                    spec.device_index or 0)
+
+
+def _downstream(ops: Iterable[tf.Operation]) -> Set[str]:
+  """Returns the names of `ops` and of every op that reads their outputs."""
+  seen: Set[str] = set()
+  stack = list(ops)
+  while stack:
+    op = stack.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    for output in op.outputs:
+      stack.extend(output.consumers())
+  return seen
+
+
+def _add(devices: Dict[str, Dict[str, float]], device: str, *,
+         sent: float = 0, received: float = 0, sent_tensors: int = 0,
+         received_tensors: int = 0) -> None:
+  fields = devices.setdefault(device, dict.fromkeys(FIELDS, 0))
+  fields["sent_bytes"] += sent
+  fields["received_bytes"] += received
+  fields["sent_tensors"] += sent_tensors
+  fields["received_tensors"] += received_tensors
+
+
+def _move(devices: Dict[str, Dict[str, float]], source: str, target: str,
+          size: float) -> None:
+  """Counts one tensor of `size` bytes sent from `source` to `target`."""
+  _add(devices, source, sent=size, sent_tensors=1)
+  _add(devices, target, received=size, received_tensors=1)
+
+
+def _ring(devices: Dict[str, Dict[str, float]], device: str, size: float,
+          n: int) -> None:
+  """Counts one device's part of a ring all-reduce of `size` bytes."""
+  share = 2.0 * (n - 1) / n * size
+  _add(devices, device, sent=share, received=share,
+       sent_tensors=2 * (n - 1), received_tensors=2 * (n - 1))
+
+
+def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
+          parameters: Sequence[tf.Variable],
+          inputs: Sequence[tf.Tensor]) -> Dict[str, object]:
+  """Counts what one step's partition graphs move between devices.
+
+  Args:
+    partition_graphs: ``RunMetadata.partition_graphs`` of the step.
+    graph: the graph the step was built from.
+    parameters: the trainable variables and their copies.
+    inputs: the input batch's tensors, as read before the towers split it.
+
+  Returns:
+    A dict: ``devices``, device -> the parameters' sent and received bytes
+    and tensors (`FIELDS`); ``input`` and ``other``, the bytes and tensors
+    sent in all of those kinds; ``control_edges``, the sends of control
+    edges; ``collectives``, the collective ops counted from their algorithm;
+    ``unsized``, the names of sent tensors whose size is unknown (in no
+    other count).
+  """
+  from_parameters = _downstream(v.op for v in parameters)
+  from_inputs = _downstream(t.op for t in inputs)
+
+  def kind(op: tf.Operation) -> str:
+    if op.name in from_parameters:
+      return PARAMETERS
+    return INPUT if op.name in from_inputs else OTHER
+
+  devices: Dict[str, Dict[str, float]] = {}
+  totals = {k: {"bytes": 0, "tensors": 0} for k in (INPUT, OTHER)}
+  result = {"devices": devices, INPUT: totals[INPUT], OTHER: totals[OTHER],
+            "control_edges": 0, "collectives": 0, "unsized": []}
+  for partition in partition_graphs:
+    nodes = {node.name: node for node in partition.node}
+    for node in partition.node:
+      if node.op in COLLECTIVE_OPS:
+        _count_collective(node, graph, kind, devices, result)
+        continue
+      if node.op not in SEND_OPS:
+        continue
+      source = device_name(node.attr["send_device"].s.decode())
+      target = device_name(node.attr["recv_device"].s.decode())
+      if source == target:
+        continue
+      name = node.input[0]
+      tensor = _tensor(graph, name)
+      if tensor is not None:
+        size, what = _bytes(tensor), kind(tensor.op)
+      else:
+        sent = nodes.get(name.split(":")[0])
+        if _is_control_dummy(sent):
+          result["control_edges"] += 1
+          continue
+        size, what = _folded(sent, graph, kind)
+      if size is None:
+        result["unsized"].append(name)
+      elif what == PARAMETERS:
+        _move(devices, source, target, size)
+      else:
+        totals[what]["bytes"] += size
+        totals[what]["tensors"] += 1
+  result["devices"] = dict(sorted(devices.items()))
+  return result
+
+
+def _count_collective(node, graph: tf.Graph, kind, devices, result) -> None:
+  """Counts one device's part of a ring all-reduce from its algorithm."""
+  try:
+    op = graph.get_operation_by_name(node.name)
+  except KeyError:
+    result["unsized"].append(node.name)
+    return
+  size = _bytes(op.inputs[0])
+  if op.type == "CollectiveReduceV2":
+    group_size = tf.get_static_value(op.inputs[1])
+  else:
+    group_size = op.get_attr("group_size")
+  if size is None or group_size is None:
+    result["unsized"].append(op.name)
+    return
+  n = int(group_size)
+  result["collectives"] += 1
+  if n < 2:
+    return
+  what = kind(op)
+  if what == PARAMETERS:
+    _ring(devices, device_name(node.device), size, n)
+  else:
+    result[what]["bytes"] += 2.0 * (n - 1) / n * size
+    result[what]["tensors"] += 2 * (n - 1)
+
+
+def _tensor(graph: tf.Graph, name: str):
+  try:
+    return graph.get_tensor_by_name(name if ":" in name else name + ":0")
+  except (KeyError, ValueError):
+    return None
+
+
+def _bytes(tensor: tf.Tensor):
+  """Returns a tensor's bytes from its static shape, or None if unknown."""
+  dtype = tensor.dtype.base_dtype
+  if not tensor.shape.is_fully_defined() or dtype in (
+      tf.resource, tf.variant, tf.string):
+    return None
+  return tensor.shape.num_elements() * dtype.size
+
+
+def _folded(node, graph: tf.Graph, kind):
+  """Returns ``(bytes, kind)`` of a constant Grappler made, or (None, None).
+
+  Constant folding replaces ops whose inputs are all constants (the split
+  of a constant batch) with a ``Const`` named after the op it replaces
+  (``ConstantFolding/<op>-folded-<i>``), so it is counted as that op's
+  output. A folded constant never comes from a variable.
+  """
+  if node is None or node.op != "Const":
+    return None, None
+  value = node.attr["value"].tensor
+  size = tf.as_dtype(value.dtype).size
+  for dim in value.tensor_shape.dim:
+    size *= dim.size
+  origin = re.sub(r"-folded(-\d+)?$", "", node.name.split("/", 1)[-1]
+                  if node.name.startswith("ConstantFolding/") else node.name)
+  try:
+    return size, kind(graph.get_operation_by_name(origin))
+  except KeyError:
+    return size, OTHER
+
+
+def _is_control_dummy(node) -> bool:
+  """Whether a partition node is the partitioner's control-edge dummy."""
+  if node is None or node.op != "Const":
+    return False
+  dims = node.attr["value"].tensor.tensor_shape.dim
+  return any(d.size == 0 for d in dims)
+
+
+def expected(pattern: str, variables: Sequence[Tuple[str, int]],
+             devices: Sequence[str]) -> Dict[str, Dict[str, float]]:
+  """Returns what each device should send and receive per step.
+
+  Args:
+    pattern: `STAR`: each variable is read by every tower from the device it
+      lives on (its only copy, or copy 0 where the ``add_n`` sum runs), and
+      each tower's gradient goes back there; the var's device sends it once
+      to every other tower device and receives one gradient from each.
+      `RING`: each device sends and receives 2·(N−1)/N of every variable,
+      in 2·(N−1) messages. `NONE`: nothing.
+    variables: ``(device, bytes)`` of each trainable variable (copy 0's).
+    devices: the towers' devices.
+
+  Returns:
+    device -> `FIELDS`, the parameters' traffic.
+  """
+  if pattern not in (STAR, RING, NONE):
+    raise ValueError("expected pattern %r, %r or %r, got %r"
+                     % (STAR, RING, NONE, pattern))
+  towers = [device_name(d) for d in devices]
+  result = {d: dict.fromkeys(FIELDS, 0) for d in towers}
+  for device, size in variables:
+    if pattern == STAR:
+      home = device_name(device)
+      for tower in towers:
+        if tower != home:
+          _move(result, home, tower, size)
+          _move(result, tower, home, size)
+    elif pattern == RING and len(towers) > 1:
+      for tower in towers:
+        _ring(result, tower, size, len(towers))
+  return dict(sorted(result.items()))
+
+
+def through(fields: Dict[str, float]) -> float:
+  """Returns the bytes through a device: sent plus received."""
+  return fields["sent_bytes"] + fields["received_bytes"]
+
+
+def busiest(devices: Dict[str, Dict[str, float]]) -> Tuple[str, float]:
+  """Returns the device with the most bytes through it, and those bytes.
+
+  Ties go to the first device by name.
+  """
+  if not devices:
+    return "-", 0.0
+  name = max(sorted(devices), key=lambda d: through(devices[d]))
+  return name, through(devices[name])
+
+
+def summarize(measured: Dict[str, object],
+              expectation: Dict[str, Dict[str, float]], *,
+              parameter_bytes: int) -> Dict[str, object]:
+  """Puts a measurement beside its expectation, per device and busiest.
+
+  Every tower device is listed, with zeros where nothing crossed.
+  """
+  names = sorted(set(measured["devices"]) | set(expectation))
+  zero = dict.fromkeys(FIELDS, 0)
+  devices = {}
+  for name in names:
+    row = dict(measured["devices"].get(name, zero))
+    row.update({"expected_" + k: v
+                for k, v in expectation.get(name, zero).items()})
+    devices[name] = row
+  device, measured_bytes = busiest(devices)
+  expected_device, expected_bytes = busiest(
+      {d: {k: v["expected_" + k] for k in FIELDS} for d, v in devices.items()})
+  collectives = measured["collectives"]
+  return {
+      "devices": devices, "parameter_bytes": parameter_bytes,
+      "busiest_device": device, "busiest_bytes": measured_bytes,
+      "expected_busiest_device": expected_device,
+      "expected_busiest_bytes": expected_bytes,
+      "input_bytes": measured[INPUT]["bytes"],
+      "input_tensors": measured[INPUT]["tensors"],
+      "other_bytes": measured[OTHER]["bytes"],
+      "other_tensors": measured[OTHER]["tensors"],
+      "control_edges": measured["control_edges"],
+      "collectives": collectives, "unsized": list(measured["unsized"]),
+      "counted_from": ("partition graphs; collectives from their ring "
+                       "algorithm" if collectives else "partition graphs")}
+
+
+def measure(session: tf.Session, fetches, graph: tf.Graph,
+            parameters: Sequence[tf.Variable],
+            inputs: Sequence[tf.Tensor]) -> Dict[str, object]:
+  """Runs one step of `fetches` and `count`s its partition graphs."""
+  run_metadata = tf.RunMetadata()
+  session.run(fetches,
+              options=tf.RunOptions(output_partition_graphs=True),
+              run_metadata=run_metadata)
+  return count(run_metadata.partition_graphs, graph, parameters, inputs)
+
+
+def relative_error(measured: float, expectation: float) -> float:
+  """Returns ``measured / expectation - 1``; 0 when both are 0."""
+  if expectation == 0:
+    return 0.0 if measured == 0 else float("inf")
+  return measured / expectation - 1.0
