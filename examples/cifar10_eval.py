@@ -14,6 +14,9 @@ images exactly once (the last batch holds the remainder: 10,000 images, not
 the tutorial's 10,112), and logs ``precision @ 1 = 0.dddd`` (a fraction),
 also written to --eval_dir as a summary. Without --run_once it evaluates
 each new checkpoint in --checkpoint_dir, looking every --eval_interval_secs.
+Checkpoints of every --variable_device and --num_gpus read alike: the
+variables and their averages keep single-device names (replicated training
+saves copy 0 alone).
 --eval_dir is created with the first result, never deleted (the tutorial
 wiped it). A flag out of range (``--num_examples=0``) stops the script with
 one line naming it.

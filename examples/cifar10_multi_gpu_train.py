@@ -7,6 +7,8 @@
   tensorboard --logdir=/tmp/cifar10_train
   python examples/cifar10_multi_gpu_train.py --num_gpus=2 --fake_data \
       --max_steps=100 --train_dir=/tmp/cifar10_fake  # speed only
+  python examples/cifar10_multi_gpu_train.py --num_gpus=4 \
+      --variable_device=replicated --train_dir=/tmp/cifar10_replicated
 
 The working version of TensorFlow's ``cifar10_multi_gpu_train.py`` on
 `towers`: one replica of the network per GPU (``tower_0``, ``tower_1``, ...),
@@ -15,6 +17,14 @@ once per step by plain gradient descent, and an exponential moving average
 (0.9999) of every trainable variable updated with each step; evaluation uses
 those averages. Without enough GPUs the towers run on virtual CPU devices
 (one log line says so): the same graph, for correctness rather than speed.
+
+--variable_device moves the one copy of the variables ('cpu', the
+tutorial's; 'gpu'; 'balanced'), or, with 'replicated', gives every tower a
+copy of its own, kept identical by the --all_reduce algorithm ('add_n',
+'ring', 'collective'; 'auto': collective between GPUs, else add_n). The
+checkpoints are the same in every mode (copy 0 and its moving average under
+single-device names): cifar10_eval.py reads them, and a run may resume in
+another mode. --all_reduce without --variable_device=replicated is refused.
 
 The data are fetched into --data_dir on first use (``cifar-10-binary.tar.gz``,
 about 170 MB, MD5-checked); offline, copy the tarball or its extracted
@@ -67,7 +77,7 @@ INITIAL_LEARNING_RATE = 0.1
 LEARNING_RATE_DECAY_FACTOR = 0.1
 NUM_EPOCHS_PER_DECAY = 350
 # Where the input pipeline, the step counter, the schedule, the moving
-# averages and the variables live, as in the tutorial.
+# averages and (by default) the variables live, as in the tutorial.
 CPU = "/cpu:0"
 
 TrainGraph = collections.namedtuple("TrainGraph", [
@@ -133,12 +143,16 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       train_files: Optional[Sequence[str]],
                       examples_per_epoch: int,
                       initial_learning_rate: float = INITIAL_LEARNING_RATE,
-                      shuffle_buffer: Optional[int] = None) -> TrainGraph:
+                      shuffle_buffer: Optional[int] = None,
+                      variable_device: str = "cpu",
+                      all_reduce: str = "auto") -> TrainGraph:
   """Builds the input pipeline, the towers and the step in the default graph.
 
   Everything outside the towers is built on the CPU, as in the tutorial;
   each tower's ops go to its device except its dequeue, which stays next to
-  the iterator on the CPU.
+  the iterator on the CPU. The variables go where `variable_device` says;
+  their moving averages and updates stay with them (with copy 0 when
+  replicated: the copies are not trainable, so only copy 0 is averaged).
 
   Args:
     devices: ``[num_towers]`` tower devices (see `common.tower_setup`).
@@ -150,6 +164,10 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     initial_learning_rate: the learning rate before the first decay.
     shuffle_buffer: records in the shuffle buffer; None for the tutorial's
       40% of an epoch.
+    variable_device: ``'cpu'`` (the tutorial's), ``'gpu'``, ``'balanced'``
+      or ``'replicated'``, as for `towers.build_towers`.
+    all_reduce: with ``variable_device='replicated'``, how the copies'
+      gradients are summed (see `towers.build_towers`); else ``'auto'``.
 
   Returns:
     A `TrainGraph`.
@@ -176,6 +194,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     opt = tf.train.GradientDescentOptimizer(lr)
     apply_op, t = towers.minimize(tower_loss, opt, num_towers,
                                   inputs=next_batch, devices=list(devices),
+                                  variable_device=variable_device,
+                                  all_reduce=all_reduce,
                                   global_step=global_step)
     # The tutorial groups the averaging with the update unordered, so its
     # average may read a variable before or after the update; here it
@@ -197,6 +217,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
           save_summaries_steps: int = 100,
           initial_learning_rate: float = INITIAL_LEARNING_RATE,
           shuffle_buffer: Optional[int] = None,
+          variable_device: str = "cpu", all_reduce: str = "auto",
           urls: Sequence[str] = cifar10_data.URLS) -> int:
   """Trains until the global step reaches `max_steps`; returns that step.
 
@@ -221,15 +242,20 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     save_summaries_steps: steps between summaries.
     initial_learning_rate: the learning rate before the first decay.
     shuffle_buffer: records in the shuffle buffer; None for 40% of an epoch.
+    variable_device: one of `common.VARIABLE_DEVICES` (see
+      `build_train_graph`).
+    all_reduce: one of `common.ALL_REDUCE`; other than ``'auto'`` only with
+      ``variable_device='replicated'``.
     urls: where to download the tarball from when it is absent.
 
   Returns:
     The global step reached.
 
   Raises:
-    common.FlagError: for an argument out of its `BOUNDS`, or a directory
-      that is a file; common.DeviceError (one) if a session lacks a tower
-      device.
+    common.FlagError: for an argument out of its `BOUNDS`, a directory that
+      is a file, or a `variable_device` and `all_reduce` combination that
+      cannot work (`common.check_variable_flags`); common.DeviceError (one)
+      if a session lacks a tower device.
     traindir.TrainDirError: if `train_dir` is in use by another trainer, or
       holds checkpoints it cannot safely resume from
       (`traindir.prepare`).
@@ -249,6 +275,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
       shuffle_buffer=shuffle_buffer)
   common.check_dir("train_dir", train_dir)
   common.check_dir("data_dir", data_dir)
+  common.check_variable_flags(variable_device, all_reduce)
   devices, config = common.tower_setup(num_gpus, log_device_placement)
   if fake_data:
     logging.info("--fake_data: training on synthetic random images; the "
@@ -271,7 +298,10 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
                             train_files=train_files,
                             examples_per_epoch=examples_per_epoch,
                             initial_learning_rate=initial_learning_rate,
-                            shuffle_buffer=shuffle_buffer)
+                            shuffle_buffer=shuffle_buffer,
+                            variable_device=variable_device,
+                            all_reduce=all_reduce)
+      common.log_variables(g.towers, variable_device, all_reduce)
       with tf.device(CPU):  # The saver, as in the tutorial.
         return common.run_training(
             g.train_op, g.loss, g.global_step, g.summary_op,
@@ -305,6 +335,17 @@ def define_flags() -> None:
                        "checkpoints (the last step is always saved).")
   flags.DEFINE_integer("save_summaries_steps", 100, "Steps between "
                        "summaries (0: none).")
+  flags.DEFINE_enum("variable_device", "cpu", list(common.VARIABLE_DEVICES),
+                    "Where the variables live: one copy on the CPU (the "
+                    "tutorial's), on the first tower's device, or balanced "
+                    "over the towers' devices; or 'replicated', a copy on "
+                    "every tower.")
+  flags.DEFINE_enum("all_reduce", "auto", list(common.ALL_REDUCE),
+                    "With --variable_device=replicated, how the copies' "
+                    "gradients are summed: add_n (on the first tower's "
+                    "device, exactly the one-copy step), ring (graph ops), "
+                    "collective (NCCL on GPUs); auto: collective when every "
+                    "tower is a GPU, else add_n.")
   common.register_flag_checks(BOUNDS, directories=["train_dir", "data_dir"])
 
 
@@ -319,7 +360,9 @@ def main(argv):
       log_device_placement=FLAGS.log_device_placement,
       log_frequency=FLAGS.log_frequency,
       save_checkpoint_steps=FLAGS.save_checkpoint_steps,
-      save_summaries_steps=FLAGS.save_summaries_steps), expected)
+      save_summaries_steps=FLAGS.save_summaries_steps,
+      variable_device=FLAGS.variable_device, all_reduce=FLAGS.all_reduce),
+      expected)
 
 
 if __name__ == "__main__":

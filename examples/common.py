@@ -79,14 +79,76 @@ def check_dir(name: str, path: Optional[str]) -> None:
                     "directory (it is created if absent)" % (name, path, name))
 
 
+# --variable_device: the towers' one-copy placements (`towers.build_towers`'
+# 'cpu', 'gpu', 'balanced'), or a copy of each variable on every tower.
+VARIABLE_DEVICES = ("cpu", "gpu", "balanced", "replicated")
+# --all_reduce: how replicated towers sum their gradients ('auto': towers'
+# rule, 'collective' on distinct GPUs, else 'add_n').
+ALL_REDUCE = ("auto", "add_n", "ring", "collective")
+
+
+def check_variable_flags(variable_device: str, all_reduce: str,
+                         distributed: bool = False) -> None:
+  """Checks a --variable_device and --all_reduce combination.
+
+  --all_reduce chooses how the towers' copies of the variables are kept
+  identical, so it is set only with --variable_device=replicated. A cluster
+  (--ps_hosts, --worker_hosts) keeps one copy of each variable on its
+  parameter servers, updated by a ``tf.train.SyncReplicasOptimizer``, which
+  towers does not replicate: there --variable_device keeps its default.
+
+  Raises:
+    FlagError: for an unknown value, or a combination that cannot work,
+      naming the flags and the fix.
+  """
+  for name, value, choices in (("variable_device", variable_device,
+                                VARIABLE_DEVICES),
+                               ("all_reduce", all_reduce, ALL_REDUCE)):
+    if value not in choices:
+      raise FlagError("--%s=%s must be one of %s"
+                      % (name, value, ", ".join(choices)))
+  if all_reduce != "auto" and variable_device != "replicated":
+    raise FlagError(
+        "--all_reduce=%s applies to --variable_device=replicated only (it "
+        "sums the gradients of the towers' copies of the variables); with "
+        "--variable_device=%s the towers share one copy: add "
+        "--variable_device=replicated, or drop --all_reduce"
+        % (all_reduce, variable_device))
+  if distributed and variable_device != "cpu":
+    raise FlagError(
+        "--variable_device=%s applies to training on one machine: with "
+        "--ps_hosts the variables live on the parameter servers, one copy "
+        "updated through SyncReplicasOptimizer (which towers does not "
+        "replicate); drop --variable_device, or train without --ps_hosts "
+        "and --worker_hosts" % variable_device)
+
+
+def log_variables(t: towers.Towers, variable_device: str,
+                  all_reduce: str) -> None:
+  """Logs where the towers' variables live and how they are kept in step."""
+  if t.all_reduce is None:
+    logging.info("--variable_device=%s: one copy of each variable, shared "
+                 "by the %d towers", variable_device, len(t.devices))
+  else:
+    logging.info(
+        "--variable_device=replicated: a copy of each variable on each of "
+        "the %d towers, their gradients summed by the '%s' all-reduce%s; "
+        "checkpoints hold copy 0 (%s) under single-device names",
+        len(t.devices), t.all_reduce,
+        " (--all_reduce=auto)" if all_reduce == "auto" else "",
+        t.devices[0])
+
+
 def register_flag_checks(bounds: Mapping[str, Bounds],
                          directories: Sequence[str] = ()) -> None:
   """Has absl check the script's flags when it parses them.
 
-  A flag out of its `bounds`, or a directory flag naming a file, then stops
-  the script before anything is built, with one line naming the flag
-  (``flag --batch_size=0: must be >= 1``). Only flags that are defined are
-  checked: `bounds` may also hold `train` arguments that are not flags.
+  A flag out of its `bounds`, a directory flag naming a file, or a
+  --variable_device and --all_reduce combination `check_variable_flags`
+  refuses, then stops the script before anything is built, with one line
+  naming the flag (``flag --batch_size=0: must be >= 1``). Only flags that
+  are defined are checked: `bounds` may also hold `train` arguments that are
+  not flags.
   """
   for name, b in bounds.items():
     if name in flags.FLAGS:
@@ -98,6 +160,21 @@ def register_flag_checks(bounds: Mapping[str, Bounds],
         name, lambda p: not p or not os.path.exists(p) or os.path.isdir(p),
         message="is a file, not a directory: point it at a directory (it is "
         "created if absent)")
+  # Two checks, so that absl's line names only the flags at fault.
+  for names in (("variable_device", "all_reduce"),
+                ("variable_device", "ps_hosts", "worker_hosts")):
+    if all(n in flags.FLAGS for n in names):
+      flags.register_multi_flags_validator(names, _check_variable_flags)
+
+
+def _check_variable_flags(values: Mapping[str, object]) -> bool:
+  try:
+    check_variable_flags(
+        values["variable_device"], values.get("all_reduce", "auto"),
+        bool(values.get("ps_hosts") or values.get("worker_hosts")))
+  except FlagError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
 
 
 def tower_setup(num_gpus: int, log_device_placement: bool = False

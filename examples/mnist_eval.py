@@ -6,8 +6,9 @@
   python examples/mnist_eval.py --num_gpus=2 --run_once  # on 2 towers
   tensorboard --logdir=/tmp/mnist_train  # the eval/ subdirectory included
 
-Restores the latest checkpoint of a training run (any number of towers: the
-variables keep single-device names) into the model, runs the test split
+Restores the latest checkpoint of a training run (any number of towers and
+any --variable_device: the variables keep single-device names, and
+replicated training saves copy 0 alone) into the model, runs the test split
 exactly once (the last batch may be partial), and logs
 ``precision @ 1 = 0.dddd`` (a fraction), also written as a summary to
 --eval_dir (default: the checkpoint directory's ``eval/``, made only once

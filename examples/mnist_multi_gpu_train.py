@@ -9,12 +9,16 @@
       --train_dir=/tmp/mnist_fake  # speed only
   python examples/mnist_multi_gpu_train.py --dataset=fashion_mnist \
       --train_dir=/tmp/fashion_train
+  python examples/mnist_multi_gpu_train.py --num_gpus=4 \
+      --variable_device=replicated --all_reduce=ring \
+      --train_dir=/tmp/mnist_replicated  # a copy of the variables per tower
 
 The working version of normanheckscher/mnist-multi-gpu's training script on
 `towers`: one replica of the model per GPU (``tower_0``, ``tower_1``, ...),
-variables shared on the CPU, the towers' gradients averaged and applied once
-per step. Without enough GPUs the towers run on virtual CPU devices (one log
-line says so): the same graph, for correctness rather than speed.
+variables shared on the CPU (by default: see --variable_device), the
+towers' gradients averaged and applied once per step. Without enough GPUs
+the towers run on virtual CPU devices (one log line says so): the same
+graph, for correctness rather than speed.
 
 What changed from the reference, and why (docs/examples.md has the details):
 one shared input pipeline on the CPU from which each tower takes its own
@@ -27,8 +31,15 @@ Flags: --num_gpus towers, each taking --batch_size examples per step (the
 global batch is batch_size x num_gpus, logged at start with the epochs
 --max_steps means); the log line every --log_frequency steps is the
 original's ``step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)``.
-A flag out of range (``--batch_size=0``) or a --train_dir that is a file
-stops the script at once with one line naming the flag.
+--variable_device places the one copy of each variable ('cpu', the
+original's; 'gpu'; 'balanced'), or, with 'replicated', gives every tower a
+copy of its own, kept identical by the --all_reduce algorithm ('add_n',
+'ring', 'collective'; 'auto' chooses): the checkpoints are the same either
+way (copy 0 under single-device names), so mnist_eval.py reads them and a
+run may resume in another mode. A flag out of range (``--batch_size=0``), a
+--train_dir that is a file, or --all_reduce without
+--variable_device=replicated stops the script at once with one line naming
+the flag.
 
 The training directory: restarting with the same --train_dir resumes from
 its latest checkpoint; when that is already at --max_steps the script says
@@ -60,7 +71,8 @@ import mnist_model
 import towers
 import traindir
 
-# 'cpu', 'gpu', 'balanced', a device string or a device function.
+# 'cpu', 'gpu', 'balanced', 'replicated', a device string or a device
+# function.
 VariableDevice = Union[str, Callable[[tf.Operation], str]]
 
 TrainGraph = collections.namedtuple("TrainGraph", [
@@ -110,6 +122,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       epochs_per_decay: float, weight_decay: float,
                       dropout_rate: float,
                       variable_device: VariableDevice = "cpu",
+                      all_reduce: str = "auto",
                       average_device: Optional[str] = None,
                       wrap_optimizer: Optional[Callable[
                           [tf.train.Optimizer], tf.train.Optimizer]] = None,
@@ -135,9 +148,12 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     epochs_per_decay: epochs between two decays (a staircase).
     weight_decay: the L2 coefficient of the fully connected weights.
     dropout_rate: the fraction of local3's units dropped in training.
-    variable_device: where the shared variables live, as for
-      `towers.build_towers` (``'cpu'``, the original's; a device function
-      such as ``tf.train.replica_device_setter`` for between-graph training).
+    variable_device: where the variables live, as for
+      `towers.build_towers` (``'cpu'``, the original's; ``'replicated'`` for
+      a copy on every tower; a device function such as
+      ``tf.train.replica_device_setter`` for between-graph training).
+    all_reduce: with ``variable_device='replicated'``, how the copies'
+      gradients are summed (see `towers.build_towers`); else ``'auto'``.
     average_device: where the towers' gradients are averaged (see
       `towers.minimize`); a worker's own CPU in a cluster.
     wrap_optimizer: wraps the momentum optimizer, e.g. in a
@@ -194,6 +210,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
   train_op, t = towers.minimize(model_fn, opt, num_towers, inputs=next_batch,
                                 devices=list(devices),
                                 variable_device=variable_device,
+                                all_reduce=all_reduce,
                                 average_device=average_device,
                                 global_step=global_step)
   summary_op = common.training_summaries(t, lr)
@@ -212,7 +229,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           save_checkpoint_secs: int = 60,
           save_checkpoint_steps: Optional[int] = None,
           save_summaries_steps: int = 100,
-          variable_device: VariableDevice = "cpu",
+          variable_device: str = "cpu", all_reduce: str = "auto",
           ps_hosts: Sequence[str] = (), worker_hosts: Sequence[str] = (),
           job_name: str = "worker", task_index: int = 0,
           replicas_to_aggregate: Optional[int] = None,
@@ -251,8 +268,12 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     log_frequency: steps between two log lines.
     save_checkpoint_secs, save_checkpoint_steps, save_summaries_steps: as
       for `common.run_training`.
-    variable_device: as for `build_train_graph` (one machine only; a
-      cluster puts variables on its parameter servers).
+    variable_device: one of `common.VARIABLE_DEVICES`, as for
+      `build_train_graph`: ``'cpu'``, ``'gpu'``, ``'balanced'`` or
+      ``'replicated'`` (one machine only: a cluster puts the variables on its
+      parameter servers, and takes only the default).
+    all_reduce: one of `common.ALL_REDUCE`; other than ``'auto'`` only with
+      ``variable_device='replicated'``.
     ps_hosts, worker_hosts: the cluster's ``host:port`` lists, the same for
       every task; empty for training on this machine alone.
     job_name, task_index: this task: 'ps' or 'worker', and its index in
@@ -268,9 +289,10 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     The global step reached.
 
   Raises:
-    common.FlagError: for an argument out of its `BOUNDS`, or a directory
-      that is a file; common.DeviceError (one) if a session lacks a tower
-      device.
+    common.FlagError: for an argument out of its `BOUNDS`, a directory that
+      is a file, or a `variable_device` and `all_reduce` combination that
+      cannot work (`common.check_variable_flags`); common.DeviceError (one)
+      if a session lacks a tower device.
     traindir.TrainDirError: if `train_dir` is in use by another trainer, or
       holds checkpoints it cannot safely resume from.
     common.Interrupted: after SIGTERM or SIGINT, once the checkpoint is
@@ -295,6 +317,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   common.check_dir("train_dir", train_dir)
   common.check_dir("data_dir", data_dir)
   distributed = bool(ps_hosts or worker_hosts)
+  common.check_variable_flags(variable_device, all_reduce, distributed)
   replicas = 1
   if distributed:
     replicas = replicas_to_aggregate or len(worker_hosts)
@@ -348,7 +371,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       session_kwargs = dict(master=task.server.target,
                             is_chief=task.is_chief, stop_grace_period_secs=5)
     else:
-      graph_kwargs = dict(variable_device=variable_device)
+      graph_kwargs = dict(variable_device=variable_device,
+                          all_reduce=all_reduce)
     # In a cluster the setter around the whole graph puts the step counter
     # and the optimizer's slots on the parameter servers and everything
     # else on this worker; the towers use it for their variables.
@@ -360,6 +384,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           momentum=momentum, learning_rate_decay=learning_rate_decay,
           epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
           dropout_rate=dropout_rate, seed=seed, **graph_kwargs)
+      if not distributed:
+        common.log_variables(g.towers, variable_device, all_reduce)
       if distributed:
         session_kwargs["hooks"] = [
             cluster.sync_replicas_hook(g.optimizer, task.is_chief)]
@@ -418,6 +444,17 @@ def define_flags() -> None:
                        "summaries (0: none).")
   flags.DEFINE_integer("seed", None, "Random seed of the initial "
                        "weights, dropout and shuffle (default: random).")
+  flags.DEFINE_enum("variable_device", "cpu", list(common.VARIABLE_DEVICES),
+                    "Where the variables live: one copy on the CPU (the "
+                    "original's), on the first tower's device, or balanced "
+                    "over the towers' devices; or 'replicated', a copy on "
+                    "every tower. One machine only (not with --ps_hosts).")
+  flags.DEFINE_enum("all_reduce", "auto", list(common.ALL_REDUCE),
+                    "With --variable_device=replicated, how the copies' "
+                    "gradients are summed: add_n (on the first tower's "
+                    "device, exactly the one-copy step), ring (graph ops), "
+                    "collective (NCCL on GPUs); auto: collective when every "
+                    "tower is a GPU, else add_n.")
   flags.DEFINE_list("ps_hosts", [], "Parameter servers' host:port list, "
                     "the same on every task; empty to train on this machine "
                     "alone.")
@@ -453,6 +490,7 @@ def main(argv):
       save_checkpoint_secs=FLAGS.save_checkpoint_secs,
       save_checkpoint_steps=FLAGS.save_checkpoint_steps,
       save_summaries_steps=FLAGS.save_summaries_steps, seed=FLAGS.seed,
+      variable_device=FLAGS.variable_device, all_reduce=FLAGS.all_reduce,
       mirrors=FLAGS.mirrors, ps_hosts=FLAGS.ps_hosts,
       worker_hosts=FLAGS.worker_hosts, job_name=FLAGS.job_name,
       task_index=FLAGS.task_index,

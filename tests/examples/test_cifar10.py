@@ -495,6 +495,8 @@ def test_a_second_trainer_on_the_same_train_dir_is_refused(trained, data_dir,
     (dict(batch_size=-4), "--batch_size=-4 must be >= 1"),
     (dict(num_gpus=0), "--num_gpus=0 must be >= 1"),
     (dict(save_checkpoint_steps=0), "--save_checkpoint_steps=0 must be"),
+    (dict(all_reduce="ring"), "--all_reduce=ring applies to "
+     "--variable_device=replicated only"),
 ])
 def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
   with pytest.raises(common.FlagError, match=re.escape(words)):
@@ -560,6 +562,69 @@ def test_input_stays_on_the_cpu_and_each_tower_on_its_device():
         or name.endswith("ExponentialMovingAverage")
         or name in ("conv1/weights", "global_step", "decayed_learning_rate")):
       assert device == "/device:CPU:0", name
+
+
+def test_replicated_copies_keep_their_updates_and_averages_on_their_tower():
+  with tf.Graph().as_default() as g:
+    cifar10_multi_gpu_train.build_train_graph(
+        devices=["/gpu:0", "/gpu:1"], batch_size=4, train_files=None,
+        examples_per_epoch=50000, variable_device="replicated",
+        all_reduce="ring")
+    ops = {op.name: op.device for op in g.get_operations()}
+    trainable = [v.op.name for v in tf.trainable_variables()]
+  # The graph is built under the tutorial's tf.device("/cpu:0"): the copies,
+  # their updates and copy 0's moving average stay on their towers anyway.
+  assert ops["conv1/weights"] == "/device:GPU:0"
+  assert ops["replica_1/conv1/weights"] == "/device:GPU:1"
+  assert ops["GradientDescent/update_replica_1/conv1/weights/"
+             "ResourceApplyGradientDescent"] == "/device:GPU:1"
+  assert ops["conv1/weights/ExponentialMovingAverage"] == "/device:GPU:0"
+  for name in ("tower_1/IteratorGetNext", "global_step",
+               "decayed_learning_rate"):
+    assert ops[name] == "/device:CPU:0", name
+  # Copy 0 alone is trainable, so alone averaged (and saved).
+  assert len(trainable) == 10 and not [n for n in trainable if "replica_" in n]
+  assert not [n for n in ops if n.startswith("replica_")
+              and "ExponentialMovingAverage" in n]
+
+
+def test_replicated_checkpoints_are_evaluated_and_resumed_as_one_copy(
+    trained, data_dir, tmp_path, op_timeout):
+  del op_timeout  # Used for its effect.
+  train_dir = str(tmp_path / "train")
+  with _Messages() as log:
+    assert _train(data_dir, train_dir, 3, log_frequency=1,
+                  save_summaries_steps=2, variable_device="replicated",
+                  all_reduce="collective") == 3
+  assert len(_logged_losses(log.messages)) == 3
+  assert any("summed by the 'collective' all-reduce" in m
+             for m in log.messages)
+  # The one-copy run's names: copy 0, its moving average, the step.
+  path = tf.train.latest_checkpoint(train_dir)
+  names = sorted(n for n, _ in tf.train.list_variables(path))
+  assert names == sorted(n for n, _ in tf.train.list_variables(
+      tf.train.latest_checkpoint(trained[0])))
+  tags = set()
+  for name in os.listdir(train_dir):
+    if name.startswith("events.out.tfevents"):
+      for event in tf.train.summary_iterator(os.path.join(train_dir, name)):
+        tags.update(v.tag for v in event.summary.value)
+  assert {"conv1/weights", "conv1/weights/gradients", "total_loss"} <= tags
+  assert not [t for t in tags if t.startswith(("replica_", "tower_"))]
+  # cifar10_eval restores the moving averages of copy 0.
+  g = cifar10_eval.build_eval_graph(
+      cifar10_data.data_files(data_dir, train=False), TEST_IMAGES, BATCH)
+  with g.graph.as_default():
+    weights = [v for v in tf.trainable_variables()
+               if v.op.name == "local3/weights"]
+  with tf.Session(graph=g.graph) as sess:
+    g.saver.restore(sess, path)
+    np.testing.assert_array_equal(sess.run(weights[0]), tf.train.load_variable(
+        path, "local3/weights/ExponentialMovingAverage"))
+  result = cifar10_eval.evaluate_checkpoint(g, path)
+  assert (result.count, result.global_step) == (TEST_IMAGES, 3)
+  # And the one-copy mode resumes from it.
+  assert _train(data_dir, train_dir, 4) == 4
 
 
 # Evaluation.

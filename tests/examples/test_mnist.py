@@ -671,6 +671,22 @@ def test_a_finished_job_trains_no_step(trained_dir, tmp_path, absl_logs):
     (dict(dropout_rate=1.0), "--dropout_rate=1.0 must be >= 0 and < 1"),
     (dict(learning_rate=0.0), "--learning_rate=0.0 must be > 0"),
     (dict(save_checkpoint_steps=0), "--save_checkpoint_steps=0 must be"),
+    (dict(all_reduce="ring"), "--all_reduce=ring applies to "
+     "--variable_device=replicated only"),
+    (dict(variable_device="balanced", all_reduce="collective"),
+     "with --variable_device=balanced the towers share one copy: add "
+     "--variable_device=replicated, or drop --all_reduce"),
+    (dict(variable_device="replicated", ps_hosts=["localhost:2222"],
+          worker_hosts=["localhost:2223"]),
+     "--variable_device=replicated applies to training on one machine: "
+     "with --ps_hosts the variables live on the parameter servers"),
+    (dict(variable_device="gpu", ps_hosts=["localhost:2222"],
+          worker_hosts=["localhost:2223"]),
+     "--variable_device=gpu applies to training on one machine"),
+    (dict(variable_device="/gpu:0"), "--variable_device=/gpu:0 must be one "
+     "of cpu, gpu, balanced, replicated"),
+    (dict(variable_device="replicated", all_reduce="nccl"),
+     "--all_reduce=nccl must be one of auto, add_n, ring, collective"),
 ])
 def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
   args = dict(dict(max_steps=5), **args)
@@ -824,16 +840,129 @@ def test_a_second_signal_kills_at_once():
     ("mnist_multi_gpu_train.py", "--train_dir={tmp}/file",
      "--train_dir={tmp}/file: is a file, not a directory"),
     ("cifar10_eval.py", "--num_examples=0", "--num_examples=0: must be >= 1"),
+    ("mnist_multi_gpu_train.py", "--all_reduce=ring",
+     "--all_reduce=ring applies to --variable_device=replicated only"),
+    ("mnist_multi_gpu_train.py",
+     "--variable_device=replicated --ps_hosts=localhost:2222",
+     "--variable_device=replicated applies to training on one machine"),
 ])
 def test_scripts_refuse_a_bad_flag_in_one_line(tmp_path, script, flag, words):
   (tmp_path / "file").write_text("")
-  args, env = _script(script, flag.format(tmp=tmp_path))
+  args, env = _script(script, *flag.format(tmp=tmp_path).split())
   done = subprocess.run(args, env=env, capture_output=True, text=True,
                         timeout=120, cwd=str(tmp_path))
   assert done.returncode == 1
   assert words.format(tmp=tmp_path) in done.stderr
   assert "Traceback" not in done.stderr
   assert os.listdir(str(tmp_path)) == ["file"]
+
+
+# Replicated variables (--variable_device=replicated): checkpoints, eval,
+# resume.
+
+
+def _checkpoint(directory):
+  """{name: value} of the latest checkpoint in `directory`."""
+  path = tf.train.latest_checkpoint(directory)
+  return {name: tf.train.load_variable(path, name)
+          for name, _ in tf.train.list_variables(path)}
+
+
+# Each tower its own batch of the IDX files; no dropout, whose masks depend
+# on the ops' creation order (the replicated graph has more ops) and on
+# which tower dequeued which batch.
+REPLICATED_RUN = dict(num_gpus=2, batch_size=4, max_steps=3, dropout_rate=0.0,
+                      log_frequency=1, save_summaries_steps=3, mirrors=(),
+                      seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_copy_run(tmp_path_factory):
+  """(data_dir, train_dir, EvalResult) of REPLICATED_RUN in the 'cpu' mode."""
+  data_dir = tmp_path_factory.mktemp("data")
+  write_split(data_dir, "train", *synthetic(NUM_TRAIN, 0))
+  write_split(data_dir, "test", *synthetic(NUM_TEST, 1))
+  train_dir = str(tmp_path_factory.mktemp("one_copy"))
+  mnist_train.train(train_dir=train_dir, data_dir=str(data_dir),
+                    **REPLICATED_RUN)
+  result = mnist_eval.evaluate(checkpoint_dir=train_dir,
+                               data_dir=str(data_dir), batch_size=8,
+                               run_once=True, mirrors=())
+  return str(data_dir), train_dir, result
+
+
+@pytest.mark.parametrize("all_reduce", ["add_n", "ring", "collective"])
+def test_replicated_training_saves_the_one_copy_checkpoint_for_eval(
+    one_copy_run, tmp_path, absl_logs, op_timeout, all_reduce):
+  del op_timeout  # Used for its effect.
+  data_dir, one_copy, one_copy_result = one_copy_run
+  train_dir = str(tmp_path / "train")
+  assert mnist_train.train(train_dir=train_dir, data_dir=data_dir,
+                           variable_device="replicated", all_reduce=all_reduce,
+                           **REPLICATED_RUN) == 3
+  logs = absl_logs()
+  assert ("--variable_device=replicated: a copy of each variable on each of "
+          "the 2 towers, their gradients summed by the '%s' all-reduce; "
+          "checkpoints hold copy 0 (/cpu:0) under single-device names"
+          % all_reduce) in logs
+  assert [int(LOG_LINE.search(m).group(1)) for m in logs
+          if LOG_LINE.search(m)] == [1, 2, 3]
+  # Copy 0 and its momentum alone, under the one-copy run's names, with its
+  # values: 'add_n' is that run's step bit for bit, the others its sums in
+  # another order.
+  got, want = _checkpoint(train_dir), _checkpoint(one_copy)
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    if all_reduce == "add_n":
+      np.testing.assert_array_equal(got[name], value, err_msg=name)
+    else:
+      np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
+  # Histograms of copy 0 only (the copies are not trainable): no replica_1/.
+  tags = summary_tags(train_dir)
+  for name in want:
+    if name.endswith(("weights", "biases")):
+      assert {name, name + "/gradients"} <= tags
+  assert not [t for t in tags if "replica_" in t]
+  # mnist_eval reads the checkpoint as it is.
+  result = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=data_dir,
+                               batch_size=8, run_once=True, mirrors=())
+  assert (result.num_examples, result.global_step) == (NUM_TEST, 3)
+  if all_reduce == "add_n":
+    assert result.num_correct == one_copy_result.num_correct
+
+
+def test_checkpoints_resume_across_modes_and_set_every_copy(
+    trained_dir, tmp_path, op_timeout):
+  del op_timeout  # Used for its effect.
+  data_dir = trained_dir[0]
+  train_dir = _copy(trained_dir, tmp_path)  # The 'cpu' mode's, at step 6.
+  names = sorted(_checkpoint(train_dir))
+  # cpu -> replicated, replicated -> replicated with another all-reduce,
+  # replicated -> cpu: each run goes on from the last one's step.
+  for max_steps, mode in [(7, dict(variable_device="replicated",
+                                   all_reduce="ring")),
+                          (8, dict(variable_device="replicated",
+                                   all_reduce="collective")),
+                          (9, dict(variable_device="cpu"))]:
+    assert _train(data_dir, train_dir, max_steps, **mode) == max_steps
+    assert sorted(_checkpoint(train_dir)) == names
+  # Restored into the replicated graph as the trainer's session restores
+  # it, copy 1 and its momentum hold the checkpoint's copy 0 values.
+  saved = _checkpoint(train_dir)
+  with tf.Graph().as_default():
+    _build(data_dir, num_towers=2, variable_device="replicated")
+    variables = {v.op.name: v for v in tf.global_variables()}
+    copies = {v.op.name[len("replica_1/"):]: v for v in tf.local_variables()
+              if v.op.name.startswith("replica_1/")}
+    assert len(copies) == 16  # 8 variables and their momentum.
+    creator = tf.train.ChiefSessionCreator(
+        checkpoint_dir=train_dir, config=towers.virtual_cpu_config(2))
+    with tf.train.MonitoredSession(session_creator=creator) as sess:
+      restored, copied = sess.run([variables, copies])
+  for name, value in copied.items():
+    np.testing.assert_array_equal(value, saved[name], err_msg=name)
+    np.testing.assert_array_equal(restored[name], saved[name], err_msg=name)
 
 
 # The real data.
