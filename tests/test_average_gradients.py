@@ -113,24 +113,63 @@ def test_gather_gradients_from_towers_are_not_densified():
 
 
 def test_every_averaged_gradient_waits_for_every_tower_gradient():
-  # The synchronization point: no update may start while any tower's
-  # backprop still runs (pitfall P15 with ref variables and GATE_NONE).
+  # The synchronization point with ref variables: no update may start while
+  # any tower's backprop still runs (pitfall P15 with GATE_NONE). Gradients
+  # that read no variable: every reduction waits for all of them.
   with tf.Graph().as_default():
     a, b = _variables([2], [2])
+    a_ref = a.op.type != "VarHandleOp"
     tower_grads = [[(tf.fill([2], float(i)), a),
                     (tf.IndexedSlices(tf.ones([1, 2]) * i, tf.constant([i])),
                      b)]
                    for i in range(3)]
     averaged = towers.average_gradients(tower_grads)
-    for grad, _ in averaged:
+    for position, (grad, _) in enumerate(averaged):
       tensors = [grad.values, grad.indices] if isinstance(
           grad, tf.IndexedSlices) else [grad]
       ancestors = set().union(*(_ancestors(t) for t in tensors))
       for tower in tower_grads:
-        for g, _ in tower:
+        for other, (g, _) in enumerate(tower):
           parts = [g.values, g.indices] if isinstance(
               g, tf.IndexedSlices) else [g]
-          assert all(p.op in ancestors for p in parts)
+          # Resource variables: each reduction waits for its own gradients
+          # (and its variable's reads) only.
+          if a_ref or other == position:
+            assert all(p.op in ancestors for p in parts)
+          else:
+            assert not any(p.op in ancestors for p in parts)
+
+
+def test_each_update_waits_for_every_read_of_its_variable():
+  # Pitfall P15, narrowed: a variable's reduction (so its update) waits for
+  # every tower's reads of it; with resource variables nothing more, so an
+  # update overlaps the rest of backprop.
+  from models import batch, devices, model_fn  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    t = towers.build_towers(
+        model_fn(True), tf.train.GradientDescentOptimizer(0.1), 3,
+        inputs=tuple(tf.constant(a) for a in batch(6)), devices=devices(3))
+    averaged = towers.average_gradients(t.tower_grads, t.weights,
+                                        control_inputs=t.losses)
+    grads = {v.op.name: [tower[k][0] for tower in t.tower_grads]
+             for k, (_, v) in enumerate(averaged)}
+    step = set().union(*(_ancestors(x) for x in t.losses + [
+        g for gs in grads.values() for g in gs]))
+    for grad, var in averaged:
+      ancestors = _ancestors(grad)
+      assert all(loss.op in ancestors for loss in t.losses)
+      if var.op.type != "VarHandleOp":
+        assert all(g.op in ancestors for gs in grads.values() for g in gs)
+        continue
+      reads = [c for c in var.op.outputs[0].consumers() if c in step]
+      assert len(reads) >= 3
+      assert all(r in ancestors for r in reads), var.op.name
+    # The last layer's reduction does not wait for the first layer's
+    # gradients, the last ones backprop computes.
+    (last, _), = [p for p in averaged if p[1].op.name == "logits/b"]
+    first_layer = [g.op for g in grads["hidden/w"]]
+    waits_for_all = all(op in _ancestors(last) for op in first_layer)
+    assert waits_for_all == (averaged[0][1].op.type != "VarHandleOp")
 
 
 def test_one_tower_is_an_identity_behind_the_barrier():

@@ -1,7 +1,7 @@
 """Averaging the towers' gradients: the synchronization point."""
 
 import numbers
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import tensorflow.compat.v1 as tf
 
@@ -40,11 +40,13 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
   checkpoints). Sparse gradients are gathered on copy 0's device (kept
   sparse) and that one ``tf.IndexedSlices`` goes to every copy.
 
-  Every averaged gradient also waits for every gradient of every tower. With
-  ref variables and ``gate_gradients=0`` this is what makes
-  ``opt.apply_gradients(average_gradients(...))`` the exact single-device
-  update: no variable is updated in place while another tower's backprop may
-  still read it (the same guarantee as ``GATE_GRAPH``).
+  No averaged gradient is ready before every tower has read its variable,
+  so ``opt.apply_gradients(average_gradients(...))`` with
+  ``gate_gradients=0`` is the exact single-device update. With ref variables,
+  whose reads alias the buffer an update changes in place, every averaged
+  gradient waits for every gradient of every tower (the ``GATE_GRAPH``
+  guarantee across towers); with resource variables, each waits for the
+  step's reads of its own variable, so updates overlap the rest of backprop.
 
   It does not sum (scale the loss for that) or clip (clip its result: the
   norm of the average is what matters). A variable whose gradient is dense
@@ -108,9 +110,8 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
   flat += list(control_inputs)
   groups: List[GradsAndVars] = [[] for _ in tower_grads]
   with tf.name_scope("average_gradients"):
-    # One NoOp per device, then one root: tf.group keeps the cross-device
-    # control edges to one per device instead of one per gradient.
-    barrier = [tf.group(*flat, name="all_towers_done")] if flat else []
+    barrier = _barrier(flat, list(control_inputs), list({
+        id(v): v for tower in tower_grads for _, v in tower}.values()))
     uniform = _is_uniform(weights)
     launched: Dict[str, tf.Operation] = {}
     for pairs in zip(*tower_grads):
@@ -123,11 +124,79 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
         where = [v.device for v in variables]
         if device is not None:
           where[0] = device
-      averaged = _average(grads, variables[0], weights, uniform, barrier,
+      waits = [barrier(variables)] if shared or algorithm == "add_n" \
+          else [barrier([v]) for v in variables]
+      averaged = _average(grads, variables[0], weights, uniform, waits,
                           where, "add_n" if shared else algorithm, launched)
       for i, var in enumerate(variables[:1] if shared else variables):
         groups[i].append((averaged[i], var))
   return [group for group in groups if group]
+
+
+def _barrier(flat: List[object], control_inputs: List[object],
+             variables) -> Callable[[Sequence[tf.Variable]],
+                                    List[tf.Operation]]:
+  """Returns what the reduction of some variables' gradients waits for.
+
+  The update of a variable must not start before every tower has read it.
+  With resource variables that is exactly the reads: an update copies a
+  buffer an earlier read still holds, so the reads' values stay the step's
+  (TensorFlow's copy-on-write). Each variable's reduction then waits for its
+  own reads in every tower (and for the losses and update ops in
+  `control_inputs`), and its update overlaps the rest of backprop. A ref
+  variable's read is the buffer itself, which an in-place update changes
+  under every op still to use it, so with ref variables (or a handle passed
+  on into a v1 control-flow loop, whose reads cannot be waited for from
+  outside it) every reduction waits for every gradient of every tower: the
+  ``GATE_GRAPH`` guarantee across towers.
+  """
+  if not flat:
+    return lambda _: []
+  reads = _reads(flat, variables)
+  if reads is None:
+    # One NoOp per device, then one root: tf.group keeps the cross-device
+    # control edges to one per device instead of one per gradient.
+    everything = [tf.group(*flat, name="all_towers_done")]
+    return lambda _: everything
+  common = [tf.group(*control_inputs, name="losses_and_updates_done")
+           ] if control_inputs else []
+
+  def waits(of: Sequence[tf.Variable]) -> List[tf.Operation]:
+    ops = list(common)
+    for var in {id(v): v for v in of}.values():
+      ops.extend(reads[id(var)])
+    return ops
+
+  return waits
+
+
+def _reads(flat: List[Any],
+           variables) -> Optional[Dict[int, List[tf.Operation]]]:
+  """The ops reading each resource variable that the step runs, or None.
+
+  None when a variable is not a resource variable, or its handle is passed
+  on (an ``Enter`` or ``Identity`` of it) by an op the step runs.
+  """
+  if any(getattr(v, "op", None) is None or v.op.type != "VarHandleOp"
+         for v in variables):
+    return None
+  seen = set()
+  # Tensors, ops, or what tf.group also takes (an assign's unread variable).
+  stack = [x if isinstance(x, tf.Operation) else x.op for x in flat]
+  while stack:
+    op = stack.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    stack.extend(t.op for t in op.inputs)
+    stack.extend(op.control_inputs)
+  reads = {}
+  for var in variables:
+    ops = [c for c in var.op.outputs[0].consumers() if c in seen]
+    if any(t.dtype == tf.resource for c in ops for t in c.outputs):
+      return None
+    reads[id(var)] = ops
+  return reads
 
 
 def _algorithm(replicated, all_reduce: Optional[str],
@@ -239,7 +308,8 @@ def _scaled(tensor: tf.Tensor, weight: Weight) -> tf.Tensor:
 
 
 def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
-             uniform: bool, barrier: List[tf.Operation], devices: List[str],
+             uniform: bool, waits: List[List[tf.Operation]],
+             devices: List[str],
              algorithm: str,
              launched: Dict[str, tf.Operation]) -> List[Optional[Gradient]]:
   """Returns the weighted mean of one variable's gradients on `devices`.
@@ -247,8 +317,10 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
   With `uniform` weights the towers' gradients are combined first and
   divided once; otherwise each is scaled on its own device first. One
   device (a shared variable) gets one result; for copies, the result on
-  each copy's device (the same tensor for all with ``"add_n"``).
+  each copy's device (the same tensor for all with ``"add_n"``). `waits`
+  holds what the reduction waits for: one list, or one per device.
   """
+  barrier = list({id(op): op for wait in waits for op in wait}.values())
   missing = [i for i, g in enumerate(grads) if g is None]
   if len(missing) == len(grads):
     return [None] * len(devices)
@@ -284,8 +356,8 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
     with tf.device(devices[0]), tf.control_dependencies(barrier):
       return [_combine(present, tf.add_n, uniform)] * len(devices)
   inputs = []
-  for g, d in zip(present, devices):
-    with tf.device(d), tf.control_dependencies(barrier):
+  for g, d, wait in zip(present, devices, waits):
+    with tf.device(d), tf.control_dependencies(wait):
       inputs.append(tf.identity(g))
   sums = _allreduce.all_sum(inputs, devices, algorithm, launched)
   if not uniform:
