@@ -112,6 +112,17 @@ def test_replicated_training_matches_one_device():
                                err_msg=name)
 
 
+@pytest.mark.parametrize("all_reduce", ALGORITHMS + ["auto"])
+def test_one_replicated_tower_is_the_one_copy_mode(all_reduce):
+  _, want, _ = _train("cpu", OPTIMIZERS["momentum"], 5, num=1)
+  _, got, t = _train("replicated", OPTIMIZERS["momentum"], 5, num=1,
+                     all_reduce=all_reduce)
+  assert t.all_reduce == ("add_n" if all_reduce == "auto" else all_reduce)
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 def test_adam_beta_powers_advance_once_per_step():
   steps = 7
   _, got, _ = _train("replicated", OPTIMIZERS["adam"], steps)

@@ -105,7 +105,7 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
   weights = _check_weights(weights, len(tower_grads))
   replicated = [pairs for pairs in zip(*tower_grads)
                 if any(p[1] is not pairs[0][1] for p in pairs)]
-  algorithm = _algorithm(replicated, all_reduce, device)
+  algorithm = _algorithm(replicated, all_reduce, device, len(tower_grads))
   flat = [t for tower in tower_grads for g, _ in tower for t in _tensors(g)]
   flat += list(control_inputs)
   groups: List[GradsAndVars] = [[] for _ in tower_grads]
@@ -199,12 +199,13 @@ def _reads(flat: List[Any],
   return reads
 
 
-def _algorithm(replicated, all_reduce: Optional[str],
-               device: Optional[str]) -> str:
+def _algorithm(replicated, all_reduce: Optional[str], device: Optional[str],
+               num_towers: int) -> str:
   if not replicated:
     if all_reduce is not None:
       _allreduce.check_name(all_reduce)
-      if all_reduce != "auto":
+      # One tower is one copy in every mode, replicated ones included.
+      if all_reduce != "auto" and num_towers > 1:
         raise ValueError(
             "all_reduce=%r applies to towers built with variable_device="
             "'replicated', but these towers share one copy of each variable "
