@@ -335,17 +335,7 @@ def define_flags() -> None:
                        "checkpoints (the last step is always saved).")
   flags.DEFINE_integer("save_summaries_steps", 100, "Steps between "
                        "summaries (0: none).")
-  flags.DEFINE_enum("variable_device", "cpu", list(common.VARIABLE_DEVICES),
-                    "Where the variables live: one copy on the CPU (the "
-                    "tutorial's), on the first tower's device, or balanced "
-                    "over the towers' devices; or 'replicated', a copy on "
-                    "every tower.")
-  flags.DEFINE_enum("all_reduce", "auto", list(common.ALL_REDUCE),
-                    "With --variable_device=replicated, how the copies' "
-                    "gradients are summed: add_n (on the first tower's "
-                    "device, exactly the one-copy step), ring (graph ops), "
-                    "collective (NCCL on GPUs); auto: collective when every "
-                    "tower is a GPU, else add_n.")
+  common.define_variable_flags()
   common.register_flag_checks(BOUNDS, directories=["train_dir", "data_dir"])
 
 

@@ -123,6 +123,21 @@ def check_variable_flags(variable_device: str, all_reduce: str,
         "and --worker_hosts" % variable_device)
 
 
+def define_variable_flags(note: str = "") -> None:
+  """Defines --variable_device and --all_reduce; `note` ends the first help."""
+  flags.DEFINE_enum("variable_device", "cpu", list(VARIABLE_DEVICES),
+                    "Where the variables live: one copy on the CPU (the "
+                    "original's), on the first tower's device, or balanced "
+                    "over the towers' devices; or 'replicated', a copy on "
+                    "every tower." + note)
+  flags.DEFINE_enum("all_reduce", "auto", list(ALL_REDUCE),
+                    "With --variable_device=replicated, how the copies' "
+                    "gradients are summed: add_n (on the first tower's "
+                    "device, exactly the one-copy step), ring (graph ops), "
+                    "collective (NCCL on GPUs); auto: collective when every "
+                    "tower is a GPU, else add_n.")
+
+
 def log_variables(t: towers.Towers, variable_device: str,
                   all_reduce: str) -> None:
   """Logs where the towers' variables live and how they are kept in step."""

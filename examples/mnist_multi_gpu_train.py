@@ -444,17 +444,7 @@ def define_flags() -> None:
                        "summaries (0: none).")
   flags.DEFINE_integer("seed", None, "Random seed of the initial "
                        "weights, dropout and shuffle (default: random).")
-  flags.DEFINE_enum("variable_device", "cpu", list(common.VARIABLE_DEVICES),
-                    "Where the variables live: one copy on the CPU (the "
-                    "original's), on the first tower's device, or balanced "
-                    "over the towers' devices; or 'replicated', a copy on "
-                    "every tower. One machine only (not with --ps_hosts).")
-  flags.DEFINE_enum("all_reduce", "auto", list(common.ALL_REDUCE),
-                    "With --variable_device=replicated, how the copies' "
-                    "gradients are summed: add_n (on the first tower's "
-                    "device, exactly the one-copy step), ring (graph ops), "
-                    "collective (NCCL on GPUs); auto: collective when every "
-                    "tower is a GPU, else add_n.")
+  common.define_variable_flags(" One machine only (not with --ps_hosts).")
   flags.DEFINE_list("ps_hosts", [], "Parameter servers' host:port list, "
                     "the same on every task; empty to train on this machine "
                     "alone.")
