@@ -42,6 +42,8 @@ NONE = "none"
 
 COLLECTIVE_OPS = frozenset(["CollectiveReduce", "CollectiveReduceV2"])
 SEND_OPS = frozenset(["_Send", "_HostSend"])
+# Their tensors' bytes do not follow from shape and dtype.
+UNSIZED_DTYPES = frozenset([tf.resource, tf.variant, tf.string])
 FIELDS = ("sent_bytes", "received_bytes", "sent_tensors", "received_tensors")
 
 
@@ -192,8 +194,7 @@ def _tensor(graph: tf.Graph, name: str):
 def _bytes(tensor: tf.Tensor):
   """Returns a tensor's bytes from its static shape, or None if unknown."""
   dtype = tensor.dtype.base_dtype
-  if not tensor.shape.is_fully_defined() or dtype in (
-      tf.resource, tf.variant, tf.string):
+  if not tensor.shape.is_fully_defined() or dtype in UNSIZED_DTYPES:
     return None
   return tensor.shape.num_elements() * dtype.size
 
@@ -209,7 +210,10 @@ def _folded(node, graph: tf.Graph, kind):
   if node is None or node.op != "Const":
     return None, None
   value = node.attr["value"].tensor
-  size = tf.as_dtype(value.dtype).size
+  dtype = tf.as_dtype(value.dtype)
+  if dtype in UNSIZED_DTYPES:
+    return None, None
+  size = dtype.size
   for dim in value.tensor_shape.dim:
     size *= dim.size
   origin = re.sub(r"-folded(-\d+)?$", "", node.name.split("/", 1)[-1]
@@ -235,8 +239,9 @@ def expected(pattern: str, variables: Sequence[Tuple[str, int]],
   Args:
     pattern: `STAR`: each variable is read by every tower from the device it
       lives on (its only copy, or copy 0 where the ``add_n`` sum runs), and
-      each tower's gradient goes back there; the var's device sends it once
-      to every other tower device and receives one gradient from each.
+      each tower's gradient goes back there: that device sends the variable
+      (or the sum) once to every other tower device and receives one
+      gradient from each.
       `RING`: each device sends and receives 2·(N−1)/N of every variable,
       in 2·(N−1) messages. `NONE`: nothing.
     variables: ``(device, bytes)`` of each trainable variable (copy 0's).
