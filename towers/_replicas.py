@@ -156,6 +156,15 @@ def local_slots() -> Iterator[None]:
   """
   graph = tf.get_default_graph()
   copies = _tables(graph)[0]
+  # Global variables by name, refreshed on a miss: copy 0's slots are made
+  # inside the same apply_gradients call, just before the copies'.
+  by_name: Dict[str, tf.Variable] = {}
+
+  def global_variable(name: str) -> Optional[tf.Variable]:
+    if name not in by_name:
+      by_name.update((v.op.name, v) for v in
+                     graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES))
+    return by_name.get(name)
 
   def creator(next_creator, **kwargs):
     # Slots are named "<var>/<slot>/", the trailing slash making the name
@@ -168,7 +177,7 @@ def local_slots() -> Iterator[None]:
         continue
       primary = found[0]
       slot_name = "/".join([primary.op.name] + parts[end:])
-      slot = _global_variable(graph, slot_name)
+      slot = global_variable(slot_name)
       if slot is None:
         raise ValueError(
             "replicated mode: the optimizer created %s for a copy but copy "
@@ -183,9 +192,3 @@ def local_slots() -> Iterator[None]:
   with tf.variable_creator_scope(creator):
     yield
 
-
-def _global_variable(graph: tf.Graph, name: str) -> Optional[tf.Variable]:
-  for var in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES):
-    if var.op.name == name:
-      return var
-  return None

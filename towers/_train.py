@@ -90,9 +90,9 @@ def _clip_per_copy(groups, clip_norm: float):
   """
   first = groups[0]
   clipped = [_clip_by_global_norm(first, clip_norm)]
+  originals = {id(g): c for (g, _), (c, _) in zip(first, clipped[0])
+               if g is not None}
   for group in groups[1:]:
-    originals = {id(g): c for (g, _), (c, _) in zip(first, clipped[0])
-                 if g is not None}
     if all(g is None or id(g) in originals for g, _ in group):
       clipped.append([(None if g is None else originals[id(g)], v)
                       for g, v in group])
