@@ -172,6 +172,34 @@ def test_each_update_waits_for_every_read_of_its_variable():
     assert waits_for_all == (averaged[0][1].op.type != "VarHandleOp")
 
 
+@pytest.mark.parametrize("weights", [None, [0.2, 0.3, 0.5]])
+def test_the_sum_is_in_tower_order_whatever_the_ops_are_named(weights):
+  # Grappler sorts an AddN's inputs by name when they are products (here,
+  # each tower's weight times its gradient); the towers' sum is a chain of
+  # additions in tower order instead, so its bits do not follow op names.
+  rng = np.random.RandomState(0)
+  values = [(rng.standard_normal(500) * 10.0 ** rng.uniform(-4, 4, 500)
+            ).astype(np.float32) for _ in range(3)]
+  with tf.Graph().as_default():
+    v, = _variables([500])
+    feeds, tower_grads = {}, []
+    for i, name in enumerate(["zz", "aa", "mm"]):
+      with tf.device("/cpu:%d" % i):
+        p = tf.placeholder(tf.float32, [500], name=name)
+        feeds[p] = values[i]
+        tower_grads.append([(tf.multiply(p, 2.0, name=name + "_grad"), v)])
+    (avg, _), = towers.average_gradients(tower_grads, weights)
+    with tf.Session(config=towers.virtual_cpu_config(3)) as sess:
+      got = sess.run(avg, feeds)
+  grads = [g * np.float32(2.0) for g in values]
+  if weights is None:
+    want = (grads[0] + grads[1] + grads[2]) * np.float32(1.0 / 3)
+  else:
+    scaled = [g * np.float32(w) for g, w in zip(grads, weights)]
+    want = scaled[0] + scaled[1] + scaled[2]
+  assert got.tobytes() == want.tobytes()
+
+
 def test_one_tower_is_an_identity_behind_the_barrier():
   with tf.Graph().as_default(), tf.Session() as sess:
     a, = _variables([2])

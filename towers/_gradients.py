@@ -355,7 +355,7 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
     present = [_scaled(g, w) for g, w in zip(present, weights)]
   if len(devices) == 1 or algorithm == "add_n":
     with tf.device(devices[0]), tf.control_dependencies(barrier):
-      return [_combine(present, tf.add_n, uniform)] * len(devices)
+      return [_combine(present, _sum_in_order, uniform)] * len(devices)
   inputs = []
   for g, d, wait in zip(present, devices, waits):
     with tf.device(d), tf.control_dependencies(wait):
@@ -368,6 +368,23 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
     with tf.device(d):
       averaged.append(total * tf.constant(1.0 / len(sums), total.dtype))
   return averaged
+
+
+def _sum_in_order(tensors: List[tf.Tensor]) -> tf.Tensor:
+  """Returns ``((t0 + t1) + t2) + ...``: the towers' sum in tower order.
+
+  A chain of additions, not ``tf.add_n``: Grappler's arithmetic optimizer
+  sorts an ``AddN``'s inputs by their names when they are products (a
+  tower's weight times its gradient, or a regularizer's gradient), so its
+  order of additions, and the sum's last bits, would follow op names, and a
+  pack's sum would differ from the gradients' own. A binary addition gives
+  the same bits either way round, so the chain's order holds. (Each addition
+  reuses its left input's buffer: no more memory than ``tf.add_n``.)
+  """
+  total = tensors[0]
+  for tensor in tensors[1:]:
+    total = tf.add(total, tensor)
+  return total
 
 
 def _combine(tensors: List[tf.Tensor], combine, divide: bool) -> tf.Tensor:
