@@ -149,8 +149,9 @@ def test_each_update_waits_for_every_read_of_its_variable():
     t = towers.build_towers(
         model_fn(True), tf.train.GradientDescentOptimizer(0.1), 3,
         inputs=tuple(tf.constant(a) for a in batch(6)), devices=devices(3))
+    # Unpacked: a pack (tests/test_packing.py) waits for all its gradients.
     averaged = towers.average_gradients(t.tower_grads, t.weights,
-                                        control_inputs=t.losses)
+                                        control_inputs=t.losses, pack_bytes=0)
     grads = {v.op.name: [tower[k][0] for tower in t.tower_grads]
              for k, (_, v) in enumerate(averaged)}
     step = set().union(*(_ancestors(x) for x in t.losses + [
@@ -188,7 +189,7 @@ def test_the_sum_is_in_tower_order_whatever_the_ops_are_named(weights):
         p = tf.placeholder(tf.float32, [500], name=name)
         feeds[p] = values[i]
         tower_grads.append([(tf.multiply(p, 2.0, name=name + "_grad"), v)])
-    (avg, _), = towers.average_gradients(tower_grads, weights)
+    (avg, _), = towers.average_gradients(tower_grads, weights, pack_bytes=0)
     with tf.Session(config=towers.virtual_cpu_config(3)) as sess:
       got = sess.run(avg, feeds)
   grads = [g * np.float32(2.0) for g in values]

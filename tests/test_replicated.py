@@ -481,7 +481,9 @@ def test_auto_is_collective_on_gpus_and_add_n_on_cpus():
     assert t.all_reduce == "collective"
     ops = [op.type for op in tf.get_default_graph().get_operations()]
     assert "CollectiveReduceV2" not in ops  # built by average_gradients
-    averaged = towers.average_gradients(t.tower_grads, t.weights)
+    # Unpacked: one collective per variable and device.
+    averaged = towers.average_gradients(t.tower_grads, t.weights,
+                                        pack_bytes=0)
     reduce_ops = [op for op in tf.get_default_graph().get_operations()
                   if op.type == "CollectiveReduceV2"]
     assert len(reduce_ops) == 2 * 4

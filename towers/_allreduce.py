@@ -28,7 +28,7 @@ launch two all-reduces in opposite orders.
 """
 
 import weakref
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
@@ -79,30 +79,33 @@ def _canonical(device: str) -> str:
 
 
 def all_sum(tensors: Sequence[tf.Tensor], devices: Sequence[str],
-            algorithm: str,
-            launched: Dict[str, tf.Operation]) -> List[tf.Tensor]:
+            algorithm: str, launched: Dict[str, tf.Operation],
+            chunks: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
   """Returns the sum of `tensors` on each of `devices`: ``"ring"`` or
   ``"collective"`` (``"add_n"`` is `average_gradients`' own ``tf.add_n``).
 
   `launched` maps each device to the last collective launched there by the
-  same reduction (updated here): the next one waits for it.
+  same reduction (updated here): the next one waits for it. `chunks`, for
+  the ring, are the sizes of its N chunks of the flattened tensor (a pack's,
+  `_packing.pack`); None cuts it with `split_sizes`.
   """
   if algorithm == "ring":
-    return _ring(tensors, devices)
+    return _ring(tensors, devices, chunks)
   if algorithm == "collective":
     return _collective(tensors, devices, launched)
   raise ValueError("unknown all-reduce algorithm %r" % (algorithm,))
 
 
-def _ring(tensors: Sequence[tf.Tensor],
-          devices: Sequence[str]) -> List[tf.Tensor]:
+def _ring(tensors: Sequence[tf.Tensor], devices: Sequence[str],
+          sizes: Optional[Sequence[int]]) -> List[tf.Tensor]:
   n = len(tensors)
   shape = tensors[0].shape
   chunks = []
   for tensor, device in zip(tensors, devices):
     with tf.device(device):
       flat = tf.reshape(tensor, [-1])
-      chunks.append(tf.split(flat, _chunk_sizes(flat, n)))
+      chunks.append(tf.split(flat, list(sizes) if sizes is not None
+                             else _chunk_sizes(flat, n)))
   # Reduce-scatter: chunk c starts on device c; each next device adds its
   # own part, so the sum's order is fixed by the graph, not by a rewrite.
   finished = []
@@ -132,12 +135,18 @@ def _ring(tensors: Sequence[tf.Tensor],
   return results
 
 
+def split_sizes(size: int, n: int) -> List[int]:
+  """Sizes of the `n` chunks the ring cuts `size` elements into: differing
+  by at most one, the larger first (some may be empty)."""
+  small, extra = divmod(size, n)
+  return [small + 1] * extra + [small] * (n - extra)
+
+
 def _chunk_sizes(flat: tf.Tensor, n: int):
-  """Sizes of `n` chunks differing by at most one (some may be empty)."""
+  """`split_sizes` of a vector, as a tensor where its size is unknown."""
   size = flat.shape[0]
   if size is not None:
-    small, extra = divmod(int(size), n)
-    return [small + 1] * extra + [small] * (n - extra)
+    return split_sizes(int(size), n)
   total = tf.size(flat)
   small, extra = total // n, total % n
   return tf.stack([small + tf.cast(i < extra, total.dtype)

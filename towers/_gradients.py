@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
+from towers import _packing
 from towers import _replicas
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
@@ -18,7 +19,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
                       *,
                       device: Optional[str] = None,
                       control_inputs: Sequence[object] = (),
-                      all_reduce: Optional[str] = None
+                      all_reduce: Optional[str] = None,
+                      pack_bytes: int = _packing.DEFAULT_PACK_BYTES
                      ) -> GradsAndVars:
   """Averages each variable's gradient over the towers.
 
@@ -48,6 +50,16 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
   guarantee across towers); with resource variables, each waits for the
   step's reads of its own variable, so updates overlap the rest of backprop.
 
+  Small dense gradients are packed: with two or more towers, those of at
+  most `pack_bytes` bytes that are reduced alike (one dtype, the same
+  devices) are flattened and concatenated on each tower's device, the pack
+  is reduced once (one transfer per tower where there would be one per
+  gradient), and the result split back next to each variable. The result is
+  bitwise the unpacked one (with ``"collective"`` and three or more copies,
+  within rounding: the collective cuts the pack its own way). ``None``,
+  ``tf.IndexedSlices``, larger gradients and gradients whose static shape is
+  not fully defined are reduced one by one.
+
   It does not sum (scale the loss for that) or clip (clip its result: the
   norm of the average is what matters). A variable whose gradient is dense
   in some towers and sparse in others is averaged densely.
@@ -67,6 +79,9 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
     all_reduce: for replicated towers, ``"add_n"``, ``"ring"``,
       ``"collective"`` or ``"auto"`` (see `build_towers`); None is what
       ``Towers.all_reduce`` says, or ``"auto"``.
+    pack_bytes: the largest gradient, in bytes, that is packed with others
+      of its kind (default 16 KiB, chosen by measurement: see
+      docs/performance.md); 0 turns packing off.
 
   Returns:
     ``[num_vars]`` of ``(grad, var)`` in the first tower's order, with the
@@ -78,13 +93,14 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
     ValueError: if `tower_grads` is empty, the towers' variable lists differ
       (in length or in the variable at a position), a gradient is None in some
       towers only, `weights` has the wrong length or does not sum to 1, or
-      `all_reduce` or `device` does not fit the towers' variables.
-    TypeError: if an entry is not a ``(grad, var)`` pair or a gradient is not
-      a tensor, ``tf.IndexedSlices`` or None.
+      `all_reduce` or `device` does not fit the towers' variables, or
+      `pack_bytes` is negative.
+    TypeError: if an entry is not a ``(grad, var)`` pair, a gradient is not
+      a tensor, ``tf.IndexedSlices`` or None, or `pack_bytes` is not an int.
   """
   groups = average_per_copy(tower_grads, weights, device=device,
                             control_inputs=control_inputs,
-                            all_reduce=all_reduce)
+                            all_reduce=all_reduce, pack_bytes=pack_bytes)
   return [pair for group in groups for pair in group]
 
 
@@ -93,7 +109,8 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
                      *,
                      device: Optional[str] = None,
                      control_inputs: Sequence[object] = (),
-                     all_reduce: Optional[str] = None
+                     all_reduce: Optional[str] = None,
+                     pack_bytes: int = _packing.DEFAULT_PACK_BYTES
                     ) -> List[GradsAndVars]:
   """`average_gradients`, with each copy's pairs in a list of its own.
 
@@ -103,34 +120,113 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
   """
   _check_tower_grads(tower_grads)
   weights = _check_weights(weights, len(tower_grads))
+  pack_bytes = _packing.check_pack_bytes(pack_bytes)
   replicated = [pairs for pairs in zip(*tower_grads)
                 if any(p[1] is not pairs[0][1] for p in pairs)]
   algorithm = _algorithm(replicated, all_reduce, device, len(tower_grads))
   flat = [t for tower in tower_grads for g, _ in tower for t in _tensors(g)]
   flat += list(control_inputs)
-  groups: List[GradsAndVars] = [[] for _ in tower_grads]
+  positions = [_Position(pairs, device, algorithm)
+               for pairs in zip(*tower_grads)]
+  # One tower reduces nothing: a pack would only add copies.
+  keys = [p.pack_key(pack_bytes) if len(tower_grads) > 1 else None
+          for p in positions]
+  averaged: Dict[int, List[Optional[Gradient]]] = {}
   with tf.name_scope("average_gradients"):
     barrier = _barrier(flat, list(control_inputs), list({
         id(v): v for tower in tower_grads for _, v in tower}.values()))
     uniform = _is_uniform(weights)
     launched: Dict[str, tf.Operation] = {}
-    for pairs in zip(*tower_grads):
-      variables = [v for _, v in pairs]
-      grads = [g for g, _ in pairs]
-      shared = all(v is variables[0] for v in variables)
-      if shared:
-        where = [variables[0].device if device is None else device]
+    for unit in _packing.group(keys):
+      members = [positions[i] for i in unit]
+      first = members[0]
+      if first.shared or first.algorithm == "add_n":
+        waits = [barrier([v for m in members for v in m.variables])]
       else:
-        where = [v.device for v in variables]
-        if device is not None:
-          where[0] = device
-      waits = [barrier(variables)] if shared or algorithm == "add_n" \
-          else [barrier([v]) for v in variables]
-      averaged = _average(grads, variables[0], weights, uniform, waits,
-                          where, "add_n" if shared else algorithm, launched)
-      for i, var in enumerate(variables[:1] if shared else variables):
-        groups[i].append((averaged[i], var))
+        waits = [barrier([m.variables[j] for m in members])
+                 for j in range(len(first.where))]
+      if len(unit) == 1:
+        averaged[unit[0]] = _average(
+            first.grads, first.variables[0], weights, uniform, waits,
+            first.where, first.algorithm, launched)
+        continue
+      with tf.name_scope("pack"):
+        for index, results in zip(unit, _average_pack(
+            members, weights, uniform, waits, launched)):
+          averaged[index] = results
+  groups: List[GradsAndVars] = [[] for _ in tower_grads]
+  for i, position in enumerate(positions):
+    copies = position.variables[:1] if position.shared else position.variables
+    for j, var in enumerate(copies):
+      groups[j].append((averaged[i][j], var))
   return [group for group in groups if group]
+
+
+class _Position:
+  """One variable's gradients in every tower, and where they are reduced.
+
+  Attributes:
+    grads: ``[num_towers]`` gradients.
+    variables: ``[num_towers]`` variables: one shared, or its copies.
+    shared: whether every tower has the same variable.
+    where: the devices the reduction leaves its result on: one for a shared
+      variable (its own, or `device`), else each copy's (copy 0's replaced
+      by `device`).
+    algorithm: ``"add_n"`` for a shared variable, else the all-reduce.
+  """
+
+  def __init__(self, pairs, device: Optional[str], algorithm: str):
+    self.grads = [g for g, _ in pairs]
+    self.variables = [v for _, v in pairs]
+    self.shared = all(v is self.variables[0] for v in self.variables)
+    if self.shared:
+      self.where = [self.variables[0].device if device is None else device]
+      self.algorithm = "add_n"
+    else:
+      self.where = [v.device for v in self.variables]
+      if device is not None:
+        self.where[0] = device
+      self.algorithm = algorithm
+
+  def pack_key(self, pack_bytes: int) -> Optional[Tuple[object, ...]]:
+    """What a position packed with this one shares, or None if unpackable:
+    its dtype, the devices its towers' gradients are on, and where and how
+    it is reduced."""
+    if not all(_packing.packable(g, pack_bytes) for g in self.grads):
+      return None
+    dtypes = {g.dtype.base_dtype for g in self.grads}
+    if len(dtypes) > 1:
+      return None
+    return (dtypes.pop(), tuple(g.device for g in self.grads),
+            tuple(self.where), self.shared, self.algorithm)
+
+
+def _average_pack(members: List[_Position], weights: List[Weight],
+                  uniform: bool, waits: List[List[tf.Operation]],
+                  launched: Dict[str, tf.Operation]
+                 ) -> List[List[Optional[Gradient]]]:
+  """Returns `_average` of each member, from one reduction of a pack.
+
+  Each tower's gradients are packed on that tower's device, and the result
+  unpacked on each device it is left on (next to each copy, or to the
+  variable), so one tensor crosses where one per gradient would.
+  """
+  first = members[0]
+  chunks = len(first.where) if first.algorithm == "ring" else 1
+  packs, sizes = [], None
+  for i in range(len(first.grads)):
+    with tf.device(first.grads[i].device):
+      packed, sizes = _packing.pack([m.grads[i] for m in members], chunks)
+      packs.append(packed)
+  results = _average(packs, first.variables[0], weights, uniform, waits,
+                     first.where, first.algorithm, launched, sizes)
+  shapes = [m.grads[0].shape for m in members]
+  unpacked = []
+  for result, where in zip(results, first.where):
+    with tf.device(where):
+      unpacked.append(_packing.unpack(result, shapes, chunks))
+  # [num_devices][num_members] -> [num_members][num_devices]
+  return [list(per_member) for per_member in zip(*unpacked)]
 
 
 def _barrier(flat: List[object], control_inputs: List[object],
@@ -310,16 +406,18 @@ def _scaled(tensor: tf.Tensor, weight: Weight) -> tf.Tensor:
 
 def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
              uniform: bool, waits: List[List[tf.Operation]],
-             devices: List[str],
-             algorithm: str,
-             launched: Dict[str, tf.Operation]) -> List[Optional[Gradient]]:
+             devices: List[str], algorithm: str,
+             launched: Dict[str, tf.Operation],
+             chunks: Optional[List[int]] = None
+            ) -> List[Optional[Gradient]]:
   """Returns the weighted mean of one variable's gradients on `devices`.
 
   With `uniform` weights the towers' gradients are combined first and
   divided once; otherwise each is scaled on its own device first. One
   device (a shared variable) gets one result; for copies, the result on
   each copy's device (the same tensor for all with ``"add_n"``). `waits`
-  holds what the reduction waits for: one list, or one per device.
+  holds what the reduction waits for: one list, or one per device. `chunks`
+  are a pack's ring chunks (`_allreduce.all_sum`).
   """
   barrier = list({id(op): op for wait in waits for op in wait}.values())
   missing = [i for i, g in enumerate(grads) if g is None]
@@ -360,7 +458,7 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
   for g, d, wait in zip(present, devices, waits):
     with tf.device(d), tf.control_dependencies(wait):
       inputs.append(tf.identity(g))
-  sums = _allreduce.all_sum(inputs, devices, algorithm, launched)
+  sums = _allreduce.all_sum(inputs, devices, algorithm, launched, chunks)
   if not uniform:
     return sums
   averaged = []

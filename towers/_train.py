@@ -5,6 +5,7 @@ from typing import Callable, Optional, Tuple
 import tensorflow.compat.v1 as tf
 
 from towers import _gradients
+from towers import _packing
 from towers import _replicas
 from towers import _replicate
 
@@ -16,6 +17,7 @@ def minimize(model_fn: Callable[..., object],
              global_step: Optional[tf.Variable] = None,
              clip_norm: Optional[float] = None,
              average_device: Optional[str] = None,
+             pack_bytes: int = _packing.DEFAULT_PACK_BYTES,
              **build_towers_kwargs) -> Tuple[tf.Operation, _replicate.Towers]:
   """Builds the towers and one synchronous training step over all of them.
 
@@ -53,6 +55,7 @@ def minimize(model_fn: Callable[..., object],
   Raises:
     ValueError: if `clip_norm` is not positive, or as `build_towers` and
       `average_gradients` do; also if no variable has a gradient.
+    TypeError: as `build_towers` and `average_gradients` do.
   """
   if clip_norm is not None and not clip_norm > 0:
     raise ValueError("expected clip_norm to be a positive number or None, got "
@@ -67,7 +70,7 @@ def minimize(model_fn: Callable[..., object],
   groups = _gradients.average_per_copy(
       towers.tower_grads, towers.weights, device=average_device,
       control_inputs=list(towers.update_ops) + towers.losses,
-      all_reduce=towers.all_reduce)
+      all_reduce=towers.all_reduce, pack_bytes=pack_bytes)
   if all(g is None for g, _ in groups[0]):
     raise ValueError(
         "no variable has a gradient: none of %s reaches the towers' loss"
