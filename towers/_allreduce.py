@@ -4,8 +4,9 @@ Each algorithm takes ``[num_towers]`` dense tensors of one shape, tensor ``i``
 on ``devices[i]``, and returns their sum on each device. What differs is where
 the bytes go (P bytes per tensor, N towers):
 
-- ``"add_n"``: ``tf.add_n`` on one device, whose result every device reads:
-  about 2·(N−1)·P through that device. It is `average_gradients`' own sum,
+- ``"add_n"``: the towers' sum on one device (a chain of additions in tower
+  order), whose result every device reads: about 2·(N−1)·P through that
+  device. It is `average_gradients`' own sum,
   the one-copy modes', so its result is bitwise theirs.
 - ``"ring"``: graph ops only. Each tensor is cut into N chunks; chunk ``c``
   is summed as it travels the ring from device ``c`` (N−1 hops, one add on
@@ -82,7 +83,7 @@ def all_sum(tensors: Sequence[tf.Tensor], devices: Sequence[str],
             algorithm: str, launched: Dict[str, tf.Operation],
             chunks: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
   """Returns the sum of `tensors` on each of `devices`: ``"ring"`` or
-  ``"collective"`` (``"add_n"`` is `average_gradients`' own ``tf.add_n``).
+  ``"collective"`` (``"add_n"`` is `average_gradients`' own sum).
 
   `launched` maps each device to the last collective launched there by the
   same reduction (updated here): the next one waits for it. `chunks`, for

@@ -26,8 +26,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
 
   This is the synchronization point across all towers. Per variable, the
   result is ``sum_i weights[i] * grad_i`` (the plain mean when `weights` is
-  None), computed next to the variable: dense gradients are summed with
-  ``tf.add_n`` (no ``[num_towers, ...]`` concat buffer), sparse
+  None), computed next to the variable: dense gradients are summed in tower
+  order (no ``[num_towers, ...]`` concat buffer), sparse
   ``tf.IndexedSlices`` stay sparse (indices concatenated, values scaled).
   With `device`, every reduction runs there instead: on a worker of a
   cluster whose variables live on parameter servers, averaging on the worker
@@ -305,8 +305,8 @@ def _algorithm(replicated, all_reduce: Optional[str], device: Optional[str],
         raise ValueError(
             "all_reduce=%r applies to towers built with variable_device="
             "'replicated', but these towers share one copy of each variable "
-            "(averaged with tf.add_n next to it); drop all_reduce or build "
-            "the towers replicated" % (all_reduce,))
+            "(averaged next to it); drop all_reduce or build the towers "
+            "replicated" % (all_reduce,))
     return "add_n"
   algorithm = _allreduce.resolve(all_reduce or "auto",
                                  [v.device for _, v in replicated[0]])
@@ -476,8 +476,8 @@ def _sum_in_order(tensors: List[tf.Tensor]) -> tf.Tensor:
   tower's weight times its gradient, or a regularizer's gradient), so its
   order of additions, and the sum's last bits, would follow op names, and a
   pack's sum would differ from the gradients' own. A binary addition gives
-  the same bits either way round, so the chain's order holds. (Each addition
-  reuses its left input's buffer: no more memory than ``tf.add_n``.)
+  the same bits either way round, so the chain's order holds; each addition
+  can reuse its left input's buffer.
   """
   total = tensors[0]
   for tensor in tensors[1:]:
