@@ -1,5 +1,9 @@
 """The graph-mode variants: one device, `towers`, and the original averaging.
 
+`towers` packs small gradients by default (``pack_bytes``); each mode it is
+timed with packing off too has an ``_unpacked`` twin (``pack_bytes=0``),
+otherwise the same graph.
+
 Every variant gets its own ``tf.Graph`` and ``tf.Session`` with the same
 ``towers.virtual_cpu_config(num_devices)``, so all of them see the same
 devices and share the process's thread pools; the same synthetic global batch
@@ -9,37 +13,56 @@ cross between its devices (`benchmarks.traffic`).
 """
 
 import time
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import tensorflow.compat.v1 as tf
 
 import towers
+# Only for the library's default pack_bytes, which the packed variants leave
+# in effect: the traffic they are expected to move follows from it.
+from towers import _packing
 from benchmarks import original
 from benchmarks import traffic
 from benchmarks import workloads
 
 PLAIN = "plain"
 TOWERS = "towers"
+TOWERS_UNPACKED = "towers_unpacked"
 BALANCED = "towers_balanced"
 REPLICATED_ADD_N = "replicated_add_n"
+REPLICATED_ADD_N_UNPACKED = "replicated_add_n_unpacked"
 REPLICATED_RING = "replicated_ring"
 REPLICATED_COLLECTIVE = "replicated_collective"
+REPLICATED_COLLECTIVE_UNPACKED = "replicated_collective_unpacked"
 INDEPENDENT = "independent"
 ORIGINAL = "original"
 MIRRORED = "mirrored"
 # In the order tables and charts list them.
-VARIANTS = (PLAIN, TOWERS, BALANCED, REPLICATED_ADD_N, REPLICATED_RING,
-            REPLICATED_COLLECTIVE, INDEPENDENT, ORIGINAL, MIRRORED)
+VARIANTS = (PLAIN, TOWERS, TOWERS_UNPACKED, BALANCED, REPLICATED_ADD_N,
+            REPLICATED_ADD_N_UNPACKED, REPLICATED_RING, REPLICATED_COLLECTIVE,
+            REPLICATED_COLLECTIVE_UNPACKED, INDEPENDENT, ORIGINAL, MIRRORED)
 REPLICATED = {REPLICATED_ADD_N: "add_n", REPLICATED_RING: "ring",
               REPLICATED_COLLECTIVE: "collective"}
+# Each unpacked variant: its packed twin, the same graph with pack_bytes=0.
+UNPACKED = {TOWERS_UNPACKED: TOWERS,
+            REPLICATED_ADD_N_UNPACKED: REPLICATED_ADD_N,
+            REPLICATED_COLLECTIVE_UNPACKED: REPLICATED_COLLECTIVE}
+# The variants whose gradients towers.average_gradients reduces: they pack.
+PACKING = (TOWERS, BALANCED) + tuple(REPLICATED)
 TITLES = {
     PLAIN: "plain (one device, opt.minimize)",
     TOWERS: "towers (variables on /cpu:0)",
+    TOWERS_UNPACKED: "towers (variables on /cpu:0, pack_bytes=0)",
     BALANCED: "towers (variable_device='balanced')",
     REPLICATED_ADD_N: "towers (replicated, all_reduce='add_n')",
+    REPLICATED_ADD_N_UNPACKED: ("towers (replicated, all_reduce='add_n', "
+                                "pack_bytes=0)"),
     REPLICATED_RING: "towers (replicated, all_reduce='ring')",
     REPLICATED_COLLECTIVE: "towers (replicated, all_reduce='collective')",
+    REPLICATED_COLLECTIVE_UNPACKED: ("towers (replicated, "
+                                     "all_reduce='collective', "
+                                     "pack_bytes=0)"),
     INDEPENDENT: "independent (a copy per tower, nothing exchanged)",
     ORIGINAL: "original average_gradients",
     MIRRORED: "MirroredStrategy (TF2, tf.function)",
@@ -53,6 +76,8 @@ PATTERNS = {
     REPLICATED_RING: traffic.RING, REPLICATED_COLLECTIVE: traffic.RING,
     INDEPENDENT: traffic.NONE,
 }
+PATTERNS.update({unpacked: PATTERNS[packed]
+                 for unpacked, packed in UNPACKED.items()})
 # A collective waiting for a member that never comes would hang the run:
 # every graph session fails a step that takes longer than this instead (a
 # step takes under a second here; a first step on GPUs, autotuning, longer).
@@ -75,7 +100,7 @@ class GraphStep:
 
   def __init__(self, workload: workloads.Workload, variant: str,
                num_towers: int, batch: np.ndarray, labels: np.ndarray,
-               num_devices: int):
+               num_devices: int, pack_bytes: Optional[int] = None):
     """Builds the variant's training step in a graph of its own.
 
     Initializes the global variables, then the local ones (the replicated
@@ -90,16 +115,25 @@ class GraphStep:
       labels: the global batch's labels, ``[batch_size]``.
       num_devices: the virtual CPU devices of the session (the largest
         number of towers of the run, so that every variant sees the same).
+      pack_bytes: for a variant in `PACKING`, the ``pack_bytes`` to pass to
+        `towers.minimize`; None leaves the library's default.
 
     Raises:
-      ValueError: if `variant` is not a graph variant.
+      ValueError: if `variant` is not a graph variant, or `pack_bytes` is
+        given for a variant that does not pack.
     """
+    if pack_bytes is not None and variant not in PACKING:
+      raise ValueError("expected pack_bytes only for a packing variant (%s), "
+                       "got pack_bytes=%d for %r"
+                       % (", ".join(PACKING), pack_bytes, variant))
+    self.pack_bytes = pack_bytes_in_effect(variant, pack_bytes)
     self._graph = tf.Graph()
     devices = towers.tower_devices(num_towers)
     with self._graph.as_default():
       tf.set_random_seed(0)
       data = _data_on_cpu(batch, labels)
-      train_op = _build(workload, variant, devices, *data)
+      train_op = _build(workload, variant, devices, *data,
+                        pack_bytes=pack_bytes)
       init = tf.global_variables_initializer()
       self.num_ops = len(self._graph.get_operations())
       local_init = tf.local_variables_initializer()
@@ -115,12 +149,20 @@ class GraphStep:
     self._session.run(local_init)
     measured = traffic.measure(self._session, train_op, self._graph,
                                parameters, data)
+    variables = [(v.device, _bytes(v), v.dtype.base_dtype.name)
+                 for v in trainable]
+    replicated = UNPACKED.get(variant, variant) in REPLICATED
     expectation = traffic.expected(
-        PATTERNS[variant], [(v.device, _bytes(v)) for v in trainable],
-        devices)
+        PATTERNS[variant], variables, devices, pack_bytes=self.pack_bytes,
+        replicated=replicated)
+    collectives = None
+    if REPLICATED.get(UNPACKED.get(variant, variant)) == "collective":
+      collectives = traffic.expected_collectives(variables, devices,
+                                                 pack_bytes=self.pack_bytes)
     self.traffic = traffic.summarize(
         measured, expectation,
-        parameter_bytes=sum(_bytes(v) for v in trainable))
+        parameter_bytes=sum(_bytes(v) for v in trainable),
+        pack_bytes=self.pack_bytes, expected_collectives=collectives)
 
   def run(self, steps: int) -> List[float]:
     """Runs `steps` training steps; returns each one's wall time (s)."""
@@ -147,6 +189,19 @@ def session_config(num_devices: int) -> tf.ConfigProto:
       operation_timeout_in_ms=STEP_TIMEOUT_MS)
 
 
+def pack_bytes_in_effect(variant: str,
+                         pack_bytes: Optional[int] = None) -> int:
+  """Returns the ``pack_bytes`` a variant's reduction runs with.
+
+  0 where nothing is packed: the unpacked twins, and the variants whose
+  gradients `towers.average_gradients` does not reduce (plain, independent,
+  original).
+  """
+  if variant not in PACKING:
+    return 0
+  return _packing.DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes
+
+
 def _bytes(var: tf.Variable) -> int:
   return var.shape.num_elements() * var.dtype.base_dtype.size
 
@@ -164,10 +219,15 @@ def _data_on_cpu(images: np.ndarray, labels: np.ndarray):
 
 
 def _build(workload: workloads.Workload, variant: str, devices: List[str],
-           images: tf.Tensor, labels: tf.Tensor) -> tf.Operation:
+           images: tf.Tensor, labels: tf.Tensor, *,
+           pack_bytes: Optional[int] = None) -> tf.Operation:
   global_step = tf.train.get_or_create_global_step()
   opt = tf.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM)
   num_towers = len(devices)
+  # The packed variants leave the library's default unless told otherwise.
+  packing = {} if pack_bytes is None else {"pack_bytes": pack_bytes}
+  if variant in UNPACKED:
+    variant, packing = UNPACKED[variant], {"pack_bytes": 0}
 
   def model_fn(scope, images, labels):
     del scope  # No summaries are kept.
@@ -183,13 +243,13 @@ def _build(workload: workloads.Workload, variant: str, devices: List[str],
     train_op, _ = towers.minimize(
         model_fn, opt, num_towers, inputs=(images, labels), devices=devices,
         variable_device="balanced" if variant == BALANCED else "cpu",
-        global_step=global_step)
+        global_step=global_step, **packing)
     return train_op
   if variant in REPLICATED:
     train_op, _ = towers.minimize(
         model_fn, opt, num_towers, inputs=(images, labels), devices=devices,
         variable_device="replicated", all_reduce=REPLICATED[variant],
-        global_step=global_step)
+        global_step=global_step, **packing)
     return train_op
   if variant == INDEPENDENT:
     # tf_cnn_benchmarks' upper bound for split compute: each tower's own

@@ -17,6 +17,12 @@ counted from their algorithm, a ring (NCCL's between GPUs, TensorFlow's own
 between CPUs), in which each of the N devices sends 2·(N−1)/N of the tensor,
 in 2·(N−1) messages, and receives as much.
 
+With gradient packing (``pack_bytes``), the small gradients reduced alike
+cross as one tensor per pack, not one per variable: `expected` predicts
+that from the variables' devices, sizes and dtypes alone, by the design's
+rule (`reductions`), not from the library's code, so that the measurement
+checks the library.
+
 What a tensor carries decides where it is counted: *parameters* are tensors
 computed from a trainable variable or a copy of one (the variables, the
 gradients, their sums and the losses), *input* tensors are computed from the
@@ -27,7 +33,7 @@ would copy.
 """
 
 import re
-from typing import Dict, Iterable, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import tensorflow.compat.v1 as tf
 
@@ -232,8 +238,42 @@ def _is_control_dummy(node) -> bool:
   return any(d.size == 0 for d in dims)
 
 
-def expected(pattern: str, variables: Sequence[Tuple[str, int]],
-             devices: Sequence[str]) -> Dict[str, Dict[str, float]]:
+def reductions(variables: Sequence[tuple], num_towers: int,
+               pack_bytes: int) -> List[Tuple[str, float]]:
+  """Returns what the design reduces: ``(home device, bytes)`` per tensor.
+
+  With two or more towers and ``pack_bytes > 0``, the variables of at most
+  `pack_bytes` bytes that share a home device and a dtype are one pack
+  when there are two or more of them; every other variable is reduced
+  alone. Packs come first, in the order of their first variable, then the
+  variables reduced alone, in their order. Every variable's gradients are
+  taken to come from the same tower devices, as in every variant here.
+
+  Args:
+    variables: ``(device, bytes)`` or ``(device, bytes, dtype)`` of each
+      trainable variable (copy 0's); a missing dtype is one dtype for all.
+    num_towers: the number of towers.
+    pack_bytes: the largest variable, in bytes, that is packed; 0 packs
+      nothing.
+  """
+  keys: List[Optional[Tuple[str, object]]] = []
+  sizes: Dict[Tuple[str, object], List[float]] = {}
+  for variable in variables:
+    home, size = device_name(variable[0]), variable[1]
+    key = None
+    if num_towers > 1 and pack_bytes > 0 and size <= pack_bytes:
+      key = (home, variable[2] if len(variable) > 2 else None)
+      sizes.setdefault(key, []).append(size)
+    keys.append(key)
+  packs = [(home, sum(s)) for (home, _), s in sizes.items() if len(s) > 1]
+  alone = [(device_name(v[0]), v[1]) for v, key in zip(variables, keys)
+           if key is None or len(sizes[key]) == 1]
+  return packs + alone
+
+
+def expected(pattern: str, variables: Sequence[tuple],
+             devices: Sequence[str], *, pack_bytes: int = 0,
+             replicated: bool = False) -> Dict[str, Dict[str, float]]:
   """Returns what each device should send and receive per step.
 
   Args:
@@ -244,8 +284,16 @@ def expected(pattern: str, variables: Sequence[Tuple[str, int]],
       gradient from each.
       `RING`: each device sends and receives 2·(N−1)/N of every variable,
       in 2·(N−1) messages. `NONE`: nothing.
-    variables: ``(device, bytes)`` of each trainable variable (copy 0's).
+      With packing, a pack crosses where its gradients would (`reductions`):
+      the same bytes in fewer tensors. What the towers read stays one tensor
+      per variable per tower; with `replicated` (``add_n`` over copies), what
+      goes out is the sums instead, one per pack.
+    variables: ``(device, bytes)`` or ``(device, bytes, dtype)`` of each
+      trainable variable (copy 0's).
     devices: the towers' devices.
+    pack_bytes: the ``pack_bytes`` in effect; 0 (the default) packs nothing.
+    replicated: whether each tower has its own copy (`STAR`: the variable's
+      device sends the sums, not the variables).
 
   Returns:
     device -> `FIELDS`, the parameters' traffic.
@@ -255,22 +303,59 @@ def expected(pattern: str, variables: Sequence[Tuple[str, int]],
                      % (STAR, RING, NONE, pattern))
   towers = [device_name(d) for d in devices]
   result = {d: dict.fromkeys(FIELDS, 0) for d in towers}
-  for device, size in variables:
-    if pattern == STAR:
-      home = device_name(device)
+  if pattern == NONE:
+    return dict(sorted(result.items()))
+  units = reductions(variables, len(towers), pack_bytes)
+  if pattern == RING:
+    if len(towers) > 1:
       for tower in towers:
-        if tower != home:
-          _move(result, home, tower, size)
-          _move(result, tower, home, size)
-    elif pattern == RING and len(towers) > 1:
-      for tower in towers:
-        _ring(result, tower, size, len(towers))
+        for _, size in units:
+          _ring(result, tower, size, len(towers))
+    return dict(sorted(result.items()))
+  # What goes out: the sums (one per reduction), or the variables' reads.
+  out = units if replicated else [(device_name(v[0]), v[1])
+                                  for v in variables]
+  for home, size in out:
+    for tower in towers:
+      if tower != home:
+        _move(result, home, tower, size)
+  for home, size in units:
+    for tower in towers:
+      if tower != home:
+        _move(result, tower, home, size)
   return dict(sorted(result.items()))
+
+
+def expected_collectives(variables: Sequence[tuple], devices: Sequence[str],
+                         *, pack_bytes: int = 0) -> int:
+  """Returns the collective ops of a step: one per reduction per device.
+
+  Args are those of `expected`.
+  """
+  n = len(devices)
+  return n * len(reductions(variables, n, pack_bytes)) if n > 1 else 0
 
 
 def through(fields: Dict[str, float]) -> float:
   """Returns the bytes through a device: sent plus received."""
   return fields["sent_bytes"] + fields["received_bytes"]
+
+
+def tensors_through(fields: Dict[str, float]) -> int:
+  """Returns the tensors through a device: sent plus received."""
+  return int(fields["sent_tensors"] + fields["received_tensors"])
+
+
+def busiest_in_tensors(devices: Dict[str, Dict[str, float]]
+                      ) -> Tuple[str, int]:
+  """Returns the device with the most tensors through it, and those.
+
+  Ties go to the first device by name.
+  """
+  if not devices:
+    return "-", 0
+  name = max(sorted(devices), key=lambda d: tensors_through(devices[d]))
+  return name, tensors_through(devices[name])
 
 
 def busiest(devices: Dict[str, Dict[str, float]]) -> Tuple[str, float]:
@@ -286,10 +371,22 @@ def busiest(devices: Dict[str, Dict[str, float]]) -> Tuple[str, float]:
 
 def summarize(measured: Dict[str, object],
               expectation: Dict[str, Dict[str, float]], *,
-              parameter_bytes: int) -> Dict[str, object]:
+              parameter_bytes: int, pack_bytes: int = 0,
+              expected_collectives: Optional[int] = None
+             ) -> Dict[str, object]:
   """Puts a measurement beside its expectation, per device and busiest.
 
-  Every tower device is listed, with zeros where nothing crossed.
+  Every tower device is listed, with zeros where nothing crossed. The
+  busiest device is given in bytes and, apart, in tensors; ``tensors`` is
+  every tensor that crossed (each counted once, where it was sent).
+
+  Args:
+    measured: `count`'s result.
+    expectation: `expected`'s result.
+    parameter_bytes: the trainable variables' bytes (copy 0's).
+    pack_bytes: the ``pack_bytes`` in effect, recorded.
+    expected_collectives: the collective ops the design makes
+      (`expected_collectives`), or None where it makes none.
   """
   names = sorted(set(measured["devices"]) | set(expectation))
   zero = dict.fromkeys(FIELDS, 0)
@@ -302,12 +399,24 @@ def summarize(measured: Dict[str, object],
   device, measured_bytes = busiest(devices)
   expected_device, expected_bytes = busiest(
       {d: {k: v["expected_" + k] for k in FIELDS} for d, v in devices.items()})
+  tensor_device, measured_tensors = busiest_in_tensors(devices)
+  expected_tensor_device, expected_tensors = busiest_in_tensors(
+      {d: {k: v["expected_" + k] for k in FIELDS} for d, v in devices.items()})
   collectives = measured["collectives"]
   return {
       "devices": devices, "parameter_bytes": parameter_bytes,
+      "pack_bytes": pack_bytes,
       "busiest_device": device, "busiest_bytes": measured_bytes,
       "expected_busiest_device": expected_device,
       "expected_busiest_bytes": expected_bytes,
+      "busiest_tensors_device": tensor_device,
+      "busiest_tensors": measured_tensors,
+      "expected_busiest_tensors_device": expected_tensor_device,
+      "expected_busiest_tensors": expected_tensors,
+      "tensors": int(sum(f["sent_tensors"] for f in devices.values())),
+      "expected_tensors": int(sum(f["expected_sent_tensors"]
+                                  for f in devices.values())),
+      "expected_collectives": expected_collectives,
       "input_bytes": measured[INPUT]["bytes"],
       "input_tensors": measured[INPUT]["tensors"],
       "other_bytes": measured[OTHER]["bytes"],

@@ -20,6 +20,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from benchmarks import graphs
 from benchmarks import mirrored
 from benchmarks import report
 from benchmarks import run
@@ -73,7 +74,14 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
       fields = moved[key]["devices"][device]
       assert fields["sent_bytes"] == fields["received_bytes"] == size, key
       assert fields["expected_sent_bytes"] == size, key
-  assert moved[("replicated_collective", 2)]["collectives"] == 16
+  # 8 variables, 4 of them small (the biases, conv1's kernel): one pack
+  # and 3 alone, a collective each per device.
+  assert moved[("replicated_collective", 2)]["collectives"] == 8
+  assert moved[("replicated_collective", 2)]["collectives"] == (
+      moved[("replicated_collective", 2)]["expected_collectives"])
+  for key, fields in moved.items():
+    if key[0].startswith("replicated"):
+      assert fields["tensors"] == fields["expected_tensors"], key
   assert moved[("replicated_ring", 2)]["collectives"] == 0
   assert moved[("independent", 2)]["busiest_bytes"] == 0
   assert moved[("towers", 2)]["busiest_bytes"] > 2 * size
@@ -224,27 +232,47 @@ def test_a_skipped_mirrored_strategy_is_reported_with_its_reason():
   assert reason in report.markdown(results)
 
 
-def _tiny_traffic(**minimize_kwargs):
-  """Counts one step of a 4-tower linear model: w [4, 4] and b [4].
+def _linear(scope, batch):
+  """w [4, 4] and b [4]: P = 20 floats = 80 bytes."""
+  del scope  # Unused.
+  w = tf.get_variable("w", [4, 4])
+  b = tf.get_variable("b", [4])
+  return tf.reduce_mean(tf.square(tf.matmul(batch, w) + b))
 
-  P = 20 floats = 80 bytes; the global batch x is [8, 4] floats on /cpu:0,
-  so each tower's shard is [2, 4] = 32 bytes.
+
+def _two_layers(scope, batch):
+  """Four small variables: w1 [4, 4], b1 [4], w2 [4, 4], b2 [4] (64, 16, 64
+  and 16 bytes: whole floats in each of a ring's 2 or 4 chunks)."""
+  del scope  # Unused.
+  w1 = tf.get_variable("w1", [4, 4])
+  b1 = tf.get_variable("b1", [4])
+  w2 = tf.get_variable("w2", [4, 4])
+  b2 = tf.get_variable("b2", [4])
+  hidden = tf.tanh(tf.matmul(batch, w1) + b1)
+  return tf.reduce_mean(tf.square(tf.matmul(hidden, w2) + b2))
+
+
+def _tiny_traffic(model_fn=_linear, num_towers=4, **minimize_kwargs):
+  """Counts one step of a tiny model on `num_towers` towers.
+
+  The global batch x is [8, 4] floats on /cpu:0, so each of 4 towers'
+  shards is [2, 4] = 32 bytes.
+
+  Returns:
+    ``(measured, variables)``: `traffic.measure`'s count, and
+    ``(device, bytes, dtype)`` of each trainable variable, as the
+    benchmark's graphs give them to `traffic.expected`.
   """
-  devices = ["/cpu:%d" % i for i in range(4)]
+  devices = ["/cpu:%d" % i for i in range(num_towers)]
   graph = tf.Graph()
   with graph.as_default():
     with tf.device("/cpu:0"):
       x = tf.constant(np.arange(32, dtype=np.float32).reshape([8, 4]))
-
-    def model_fn(scope, batch):
-      del scope  # Unused.
-      w = tf.get_variable("w", [4, 4])
-      b = tf.get_variable("b", [4])
-      return tf.reduce_mean(tf.square(tf.matmul(batch, w) + b))
-
     train_op, _ = towers.minimize(
-        model_fn, tf.train.GradientDescentOptimizer(0.1), 4, inputs=x,
-        devices=devices, **minimize_kwargs)
+        model_fn, tf.train.GradientDescentOptimizer(0.1), num_towers,
+        inputs=x, devices=devices, **minimize_kwargs)
+    variables = [(v.device, v.shape.num_elements() * v.dtype.size,
+                  v.dtype.base_dtype.name) for v in tf.trainable_variables()]
     parameters = tf.trainable_variables() + tf.local_variables()
     init = tf.global_variables_initializer()
     local_init = tf.local_variables_initializer()
@@ -252,7 +280,8 @@ def _tiny_traffic(**minimize_kwargs):
   with tf.Session(graph=graph, config=config) as session:
     session.run(init)
     session.run(local_init)
-    return traffic.measure(session, train_op, graph, parameters, [x])
+    return traffic.measure(session, train_op, graph, parameters,
+                           [x]), variables
 
 
 def _fields(sent, received, sent_tensors, received_tensors):
@@ -269,33 +298,133 @@ STAR_FROM_CPU0 = {"cpu:0": _fields(240, 240, 6, 6),
 # device sends 3 chunks of each while summing and 3 while gathering:
 # 2 x 3/4 x 80 = 120 bytes in 2 x 2 x 3 = 12 tensors, and gets as much.
 RING_OF_4 = {"cpu:%d" % i: _fields(120, 120, 12, 12) for i in range(4)}
+# Packed (both gradients are small, of one dtype, on the same devices): the
+# same bytes, one pack where there were 2 gradients. cpu: the towers still
+# read w and b, but each sends 1 pack of 80 bytes back.
+STAR_PACKED_CPU = {"cpu:0": _fields(240, 240, 6, 3),
+                   **{"cpu:%d" % i: _fields(80, 80, 1, 2) for i in (1, 2, 3)}}
+# add_n: each copy sends its pack to /cpu:0, which sends the packed sum back.
+STAR_PACKED_ADD_N = {"cpu:0": _fields(240, 240, 3, 3),
+                     **{"cpu:%d" % i: _fields(80, 80, 1, 1)
+                        for i in (1, 2, 3)}}
+# ring: one pack of 80 bytes, 3 chunks sent each way per device.
+RING_PACKED = {"cpu:%d" % i: _fields(120, 120, 6, 6) for i in range(4)}
+OFF = {"pack_bytes": 0}
+ADD_N = {"variable_device": "replicated", "all_reduce": "add_n"}
+RING = {"variable_device": "replicated", "all_reduce": "ring"}
+COLLECTIVE = {"variable_device": "replicated", "all_reduce": "collective"}
+# The library's default, which `minimize` uses when not told.
+DEFAULT_PACK_BYTES = graphs.pack_bytes_in_effect(graphs.TOWERS)
 
 
 @pytest.mark.parametrize("minimize_kwargs, want", [
-    ({}, STAR_FROM_CPU0),
-    ({"variable_device": "replicated", "all_reduce": "add_n"},
-     STAR_FROM_CPU0),
-    ({"variable_device": "replicated", "all_reduce": "ring"}, RING_OF_4),
-    ({"variable_device": "replicated", "all_reduce": "collective"},
-     RING_OF_4),
-], ids=["cpu", "add_n", "ring", "collective"])
+    (OFF, STAR_FROM_CPU0),
+    (dict(ADD_N, **OFF), STAR_FROM_CPU0),
+    (dict(RING, **OFF), RING_OF_4),
+    (dict(COLLECTIVE, **OFF), RING_OF_4),
+    ({}, STAR_PACKED_CPU),
+    (ADD_N, STAR_PACKED_ADD_N),
+    (RING, RING_PACKED),
+    (COLLECTIVE, RING_PACKED),
+], ids=["cpu", "add_n", "ring", "collective", "cpu_packed", "add_n_packed",
+        "ring_packed", "collective_packed"])
 def test_traffic_of_a_tiny_model_is_what_its_design_moves(minimize_kwargs,
                                                          want):
-  measured = _tiny_traffic(**minimize_kwargs)
+  measured, _ = _tiny_traffic(**minimize_kwargs)
   assert measured["devices"] == want
   # The shards of x that /cpu:0 sends towers 1-3, counted apart.
   assert measured["input"] == {"bytes": 3 * 32, "tensors": 3}
   assert measured["other"] == {"bytes": 0, "tensors": 0}
   assert measured["unsized"] == []
   assert measured["control_edges"] > 0
-  collective = minimize_kwargs.get("all_reduce") == "collective"
-  # Counted from the algorithm: 2 variables on 4 devices.
-  assert measured["collectives"] == (8 if collective else 0)
-  pattern = traffic.RING if minimize_kwargs.get("all_reduce") in (
-      "ring", "collective") else traffic.STAR
-  expectation = traffic.expected(pattern, [("/cpu:0", 64), ("/cpu:0", 16)],
-                                 ["/cpu:%d" % i for i in range(4)])
+  all_reduce = minimize_kwargs.get("all_reduce")
+  pack_bytes = minimize_kwargs.get("pack_bytes", DEFAULT_PACK_BYTES)
+  # Counted from the algorithm: 2 variables (or 1 pack) on 4 devices.
+  if all_reduce == "collective":
+    assert measured["collectives"] == (8 if pack_bytes == 0 else 4)
+  else:
+    assert measured["collectives"] == 0
+  pattern = traffic.RING if all_reduce in ("ring", "collective") else (
+      traffic.STAR)
+  variables = [("/cpu:0", 64, "float32"), ("/cpu:0", 16, "float32")]
+  expectation = traffic.expected(
+      pattern, variables, ["/cpu:%d" % i for i in range(4)],
+      pack_bytes=pack_bytes, replicated=all_reduce is not None)
   assert expectation == want
+
+
+@pytest.mark.parametrize("num_towers", [2, 4])
+@pytest.mark.parametrize("mode", [{}, ADD_N, RING, COLLECTIVE],
+                         ids=["cpu", "add_n", "ring", "collective"])
+def test_packed_and_unpacked_tensors_per_device_are_as_expected(mode,
+                                                                num_towers):
+  # Four small variables on the first tower's device: unpacked, packed in
+  # part (32 bytes: b1 and b2 in one pack, w1 and w2 alone) and all packed.
+  devices = ["/cpu:%d" % i for i in range(num_towers)]
+  all_reduce = mode.get("all_reduce")
+  pattern = traffic.RING if all_reduce in ("ring", "collective") else (
+      traffic.STAR)
+  sent = {}
+  for pack_bytes in (0, 32, DEFAULT_PACK_BYTES):
+    measured, variables = _tiny_traffic(_two_layers, num_towers,
+                                        pack_bytes=pack_bytes, **mode)
+    assert [v[1:] for v in variables] == [(64, "float32"), (16, "float32"),
+                                          (64, "float32"), (16, "float32")]
+    expectation = traffic.expected(pattern, variables, devices,
+                                   pack_bytes=pack_bytes,
+                                   replicated=all_reduce is not None)
+    assert measured["devices"] == expectation, pack_bytes
+    want = (traffic.expected_collectives(variables, devices,
+                                         pack_bytes=pack_bytes)
+            if all_reduce == "collective" else 0)
+    assert measured["collectives"] == want
+    sent[pack_bytes] = {d: f["sent_tensors"]
+                        for d, f in measured["devices"].items()}
+  # Each other tower sends a gradient per variable, then one per pack.
+  last = "cpu:%d" % (num_towers - 1)
+  per_reduction = 2 * (num_towers - 1) if pattern == traffic.RING else 1
+  assert [sent[b][last] for b in (0, 32, DEFAULT_PACK_BYTES)] == [
+      4 * per_reduction, 3 * per_reduction, per_reduction]
+  if not mode:
+    # The towers' reads are not packed: /cpu:0 sends each variable to each.
+    assert sent[0]["cpu:0"] == sent[DEFAULT_PACK_BYTES]["cpu:0"] == (
+        4 * (num_towers - 1))
+
+
+def test_expected_packs_the_small_variables_of_one_device_and_dtype():
+  variables = [("/cpu:0", 16, "float32"), ("/cpu:0", 8, "float16"),
+               ("/cpu:0", 16, "float32"), ("/cpu:1", 16, "float32"),
+               ("/cpu:0", 100, "float32"), ("/cpu:1", 12, "float32")]
+  # Packs first (cpu:0's float32s, cpu:1's), then the rest in order: the
+  # large one and the lone float16.
+  assert traffic.reductions(variables, 2, 64) == [
+      ("cpu:0", 32), ("cpu:1", 28), ("cpu:0", 8), ("cpu:0", 100)]
+  assert traffic.reductions(variables, 2, 0) == [
+      (traffic.device_name(d), b) for d, b, _ in variables]
+  # One tower reduces nothing: nothing is packed.
+  assert len(traffic.reductions(variables, 1, 64)) == len(variables)
+  devices = ["/cpu:0", "/cpu:1"]
+  star = traffic.expected(traffic.STAR, variables, devices, pack_bytes=64)
+  unpacked = traffic.expected(traffic.STAR, variables, devices)
+  # The same bytes as unpacked.
+  for device in ("cpu:0", "cpu:1"):
+    for field in ("sent_bytes", "received_bytes"):
+      assert star[device][field] == unpacked[device][field]
+  # cpu:0 sends its 4 variables' values (reads are not packed) and cpu:1's
+  # 1 pack; cpu:1 sends its 2 variables and cpu:0's 3 (1 pack, 2 alone).
+  assert star["cpu:0"]["sent_tensors"] == 4 + 1
+  assert star["cpu:1"]["sent_tensors"] == 2 + 3
+  assert unpacked["cpu:0"]["sent_tensors"] == 4 + 2
+  # Replicated, the sums go out instead of the variables: one per reduction.
+  replicated = traffic.expected(traffic.STAR, variables, devices,
+                                pack_bytes=64, replicated=True)
+  assert replicated["cpu:0"]["sent_tensors"] == 3 + 1
+  assert replicated["cpu:1"]["sent_tensors"] == 1 + 3
+  ring = traffic.expected(traffic.RING, variables, devices, pack_bytes=64)
+  assert ring["cpu:0"]["sent_tensors"] == 2 * 4
+  assert traffic.expected_collectives(variables, devices, pack_bytes=64) == 8
+  assert traffic.expected_collectives(variables, devices) == 12
+  assert traffic.expected_collectives(variables, ["/cpu:0"]) == 0
 
 
 def test_traffic_expected_for_parameters_on_a_device_of_their_own():
