@@ -25,6 +25,10 @@ copy of its own, kept identical by the --all_reduce algorithm ('add_n',
 checkpoints are the same in every mode (copy 0 and its moving average under
 single-device names): cifar10_eval.py reads them, and a run may resume in
 another mode. --all_reduce without --variable_device=replicated is refused.
+--pack_bytes (16384, towers' default; 0 turns it off) has the gradients of
+at most that many bytes (the biases and softmax_linear's weights) reduced in
+packs, in every mode: fewer transfers, the same results (bit for bit, but
+with --all_reduce=collective over 3 or more towers).
 
 The data are fetched into --data_dir on first use (``cifar-10-binary.tar.gz``,
 about 170 MB, MD5-checked); offline, copy the tarball or its extracted
@@ -37,9 +41,9 @@ late with several GPUs).
 
 Every --log_frequency steps the tutorial's line is logged, ``step %d, loss =
 %.2f (%.1f examples/sec; %.3f sec/batch)``, with the mean loss over the
-towers; a NaN loss stops training. A flag out of range (``--batch_size=0``)
-or a --train_dir that is a file stops the script at once with one line
-naming the flag.
+towers; a NaN loss stops training. A flag out of range (``--batch_size=0``,
+``--pack_bytes=-1``) or a --train_dir that is a file stops the script at
+once with one line naming the flag.
 
 Checkpoints (every --save_checkpoint_steps and at the last step) and
 summaries (the final tower's, the learning rate, variable and gradient
@@ -107,6 +111,7 @@ BOUNDS = {
     "save_summaries_steps": dict(at_least=0),
     "initial_learning_rate": dict(above=0),
     "shuffle_buffer": dict(at_least=1),
+    "pack_bytes": dict(at_least=0),
 }
 
 
@@ -145,7 +150,9 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       initial_learning_rate: float = INITIAL_LEARNING_RATE,
                       shuffle_buffer: Optional[int] = None,
                       variable_device: str = "cpu",
-                      all_reduce: str = "auto") -> TrainGraph:
+                      all_reduce: str = "auto",
+                      pack_bytes: int = common.DEFAULT_PACK_BYTES
+                     ) -> TrainGraph:
   """Builds the input pipeline, the towers and the step in the default graph.
 
   Everything outside the towers is built on the CPU, as in the tutorial;
@@ -168,6 +175,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
       or ``'replicated'``, as for `towers.build_towers`.
     all_reduce: with ``variable_device='replicated'``, how the copies'
       gradients are summed (see `towers.build_towers`); else ``'auto'``.
+    pack_bytes: the largest gradient, in bytes, reduced in a pack with
+      others (see `towers.minimize`); 0 turns packing off.
 
   Returns:
     A `TrainGraph`.
@@ -196,6 +205,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                                   inputs=next_batch, devices=list(devices),
                                   variable_device=variable_device,
                                   all_reduce=all_reduce,
+                                  pack_bytes=pack_bytes,
                                   global_step=global_step)
     # The tutorial groups the averaging with the update unordered, so its
     # average may read a variable before or after the update; here it
@@ -218,6 +228,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
           initial_learning_rate: float = INITIAL_LEARNING_RATE,
           shuffle_buffer: Optional[int] = None,
           variable_device: str = "cpu", all_reduce: str = "auto",
+          pack_bytes: int = common.DEFAULT_PACK_BYTES,
           urls: Sequence[str] = cifar10_data.URLS) -> int:
   """Trains until the global step reaches `max_steps`; returns that step.
 
@@ -246,6 +257,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
       `build_train_graph`).
     all_reduce: one of `common.ALL_REDUCE`; other than ``'auto'`` only with
       ``variable_device='replicated'``.
+    pack_bytes: as for `build_train_graph`, in every variable mode.
     urls: where to download the tarball from when it is absent.
 
   Returns:
@@ -272,7 +284,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
       save_checkpoint_steps=save_checkpoint_steps,
       save_summaries_steps=save_summaries_steps,
       initial_learning_rate=initial_learning_rate,
-      shuffle_buffer=shuffle_buffer)
+      shuffle_buffer=shuffle_buffer, pack_bytes=pack_bytes)
   common.check_dir("train_dir", train_dir)
   common.check_dir("data_dir", data_dir)
   common.check_variable_flags(variable_device, all_reduce)
@@ -300,8 +312,9 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
                             initial_learning_rate=initial_learning_rate,
                             shuffle_buffer=shuffle_buffer,
                             variable_device=variable_device,
-                            all_reduce=all_reduce)
+                            all_reduce=all_reduce, pack_bytes=pack_bytes)
       common.log_variables(g.towers, variable_device, all_reduce)
+      common.log_packing(g.towers, pack_bytes)
       with tf.device(CPU):  # The saver, as in the tutorial.
         return common.run_training(
             g.train_op, g.loss, g.global_step, g.summary_op,
@@ -336,6 +349,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("save_summaries_steps", 100, "Steps between "
                        "summaries (0: none).")
   common.define_variable_flags()
+  common.define_pack_bytes_flag()
   common.register_flag_checks(BOUNDS, directories=["train_dir", "data_dir"])
 
 
@@ -351,8 +365,8 @@ def main(argv):
       log_frequency=FLAGS.log_frequency,
       save_checkpoint_steps=FLAGS.save_checkpoint_steps,
       save_summaries_steps=FLAGS.save_summaries_steps,
-      variable_device=FLAGS.variable_device, all_reduce=FLAGS.all_reduce),
-      expected)
+      variable_device=FLAGS.variable_device, all_reduce=FLAGS.all_reduce,
+      pack_bytes=FLAGS.pack_bytes), expected)
 
 
 if __name__ == "__main__":

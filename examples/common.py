@@ -138,6 +138,22 @@ def define_variable_flags(note: str = "") -> None:
                     "tower is a GPU, else add_n.")
 
 
+# --pack_bytes' default: towers.minimize's, written out because the examples
+# use the library's public API only (a test checks that the two agree).
+DEFAULT_PACK_BYTES = 16384
+
+
+def define_pack_bytes_flag() -> None:
+  """Defines --pack_bytes, passed to `towers.minimize` as `pack_bytes`."""
+  flags.DEFINE_integer("pack_bytes", DEFAULT_PACK_BYTES,
+                       "Gradients of at most this many bytes are packed: "
+                       "those reduced alike are concatenated on each tower, "
+                       "reduced in one transfer and split back. 0 turns "
+                       "packing off. The results are the same either way "
+                       "(bit for bit; with --all_reduce=collective over 3 "
+                       "or more towers, within rounding).")
+
+
 def log_variables(t: towers.Towers, variable_device: str,
                   all_reduce: str) -> None:
   """Logs where the towers' variables live and how they are kept in step."""
@@ -152,6 +168,32 @@ def log_variables(t: towers.Towers, variable_device: str,
         len(t.devices), t.all_reduce,
         " (--all_reduce=auto)" if all_reduce == "auto" else "",
         t.devices[0])
+
+
+def log_packing(t: towers.Towers, pack_bytes: int) -> None:
+  """Logs --pack_bytes and how many of the step's gradients it may pack.
+
+  Those at most `pack_bytes` bytes; `towers.minimize` packs those among them
+  that are reduced alike (one dtype, the same devices), two or more at a
+  time.
+  """
+  if pack_bytes == 0:
+    logging.info("--pack_bytes=0: packing off, each gradient is reduced on "
+                 "its own")
+    return
+  if len(t.devices) == 1:
+    logging.info("--pack_bytes=%d: one tower, whose gradients need no "
+                 "reduction, so none is packed", pack_bytes)
+    return
+  grads = [g for g, _ in t.grads_and_vars or [] if g is not None]
+  small = [g for g in grads
+           if isinstance(g, tf.Tensor) and g.shape.is_fully_defined() and
+           g.shape.num_elements() * g.dtype.size <= pack_bytes]
+  logging.info(
+      "--pack_bytes=%d: %d of the %d gradients are at most %d bytes; those "
+      "reduced alike (one dtype, the same devices) share a pack, one "
+      "transfer per tower instead of one per gradient (0 turns packing off)",
+      pack_bytes, len(small), len(grads), pack_bytes)
 
 
 def register_flag_checks(bounds: Mapping[str, Bounds],

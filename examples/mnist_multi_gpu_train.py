@@ -36,10 +36,13 @@ original's; 'gpu'; 'balanced'), or, with 'replicated', gives every tower a
 copy of its own, kept identical by the --all_reduce algorithm ('add_n',
 'ring', 'collective'; 'auto' chooses): the checkpoints are the same either
 way (copy 0 under single-device names), so mnist_eval.py reads them and a
-run may resume in another mode. A flag out of range (``--batch_size=0``), a
---train_dir that is a file, or --all_reduce without
---variable_device=replicated stops the script at once with one line naming
-the flag.
+run may resume in another mode. --pack_bytes (16384, towers' default; 0
+turns it off) has the gradients of at most that many bytes reduced in packs,
+in every mode and in a cluster: fewer transfers, the same results (bit for
+bit, but with --all_reduce=collective over 3 or more towers). A flag out of
+range (``--batch_size=0``, ``--pack_bytes=-1``), a --train_dir that is a
+file, or --all_reduce without --variable_device=replicated stops the script
+at once with one line naming the flag.
 
 The training directory: restarting with the same --train_dir resumes from
 its latest checkpoint; when that is already at --max_steps the script says
@@ -112,6 +115,7 @@ BOUNDS = {
     "task_index": dict(at_least=0),
     "replicas_to_aggregate": dict(at_least=1),
     "startup_timeout_secs": dict(above=0),
+    "pack_bytes": dict(at_least=0),
 }
 
 
@@ -124,6 +128,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       variable_device: VariableDevice = "cpu",
                       all_reduce: str = "auto",
                       average_device: Optional[str] = None,
+                      pack_bytes: int = common.DEFAULT_PACK_BYTES,
                       wrap_optimizer: Optional[Callable[
                           [tf.train.Optimizer], tf.train.Optimizer]] = None,
                       replicas: int = 1,
@@ -156,6 +161,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
       gradients are summed (see `towers.build_towers`); else ``'auto'``.
     average_device: where the towers' gradients are averaged (see
       `towers.minimize`); a worker's own CPU in a cluster.
+    pack_bytes: the largest gradient, in bytes, reduced in a pack with
+      others (see `towers.minimize`); 0 turns packing off.
     wrap_optimizer: wraps the momentum optimizer, e.g. in a
       ``tf.train.SyncReplicasOptimizer``.
     replicas: how many workers' gradients one global step applies.
@@ -212,6 +219,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                                 variable_device=variable_device,
                                 all_reduce=all_reduce,
                                 average_device=average_device,
+                                pack_bytes=pack_bytes,
                                 global_step=global_step)
   summary_op = common.training_summaries(t, lr)
   return TrainGraph(train_op=train_op, loss=t.loss, global_step=global_step,
@@ -230,6 +238,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           save_checkpoint_steps: Optional[int] = None,
           save_summaries_steps: int = 100,
           variable_device: str = "cpu", all_reduce: str = "auto",
+          pack_bytes: int = common.DEFAULT_PACK_BYTES,
           ps_hosts: Sequence[str] = (), worker_hosts: Sequence[str] = (),
           job_name: str = "worker", task_index: int = 0,
           replicas_to_aggregate: Optional[int] = None,
@@ -274,6 +283,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       parameter servers, and takes only the default).
     all_reduce: one of `common.ALL_REDUCE`; other than ``'auto'`` only with
       ``variable_device='replicated'``.
+    pack_bytes: as for `build_train_graph`; in every variable mode, and in
+      a cluster.
     ps_hosts, worker_hosts: the cluster's ``host:port`` lists, the same for
       every task; empty for training on this machine alone.
     job_name, task_index: this task: 'ps' or 'worker', and its index in
@@ -313,7 +324,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       save_checkpoint_steps=save_checkpoint_steps,
       save_summaries_steps=save_summaries_steps, task_index=task_index,
       replicas_to_aggregate=replicas_to_aggregate,
-      startup_timeout_secs=startup_timeout_secs)
+      startup_timeout_secs=startup_timeout_secs, pack_bytes=pack_bytes)
   common.check_dir("train_dir", train_dir)
   common.check_dir("data_dir", data_dir)
   distributed = bool(ps_hosts or worker_hosts)
@@ -383,9 +394,11 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           num_examples=num_examples, learning_rate=learning_rate,
           momentum=momentum, learning_rate_decay=learning_rate_decay,
           epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
-          dropout_rate=dropout_rate, seed=seed, **graph_kwargs)
+          dropout_rate=dropout_rate, pack_bytes=pack_bytes, seed=seed,
+          **graph_kwargs)
       if not distributed:
         common.log_variables(g.towers, variable_device, all_reduce)
+      common.log_packing(g.towers, pack_bytes)
       if distributed:
         session_kwargs["hooks"] = [
             cluster.sync_replicas_hook(g.optimizer, task.is_chief)]
@@ -445,6 +458,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("seed", None, "Random seed of the initial "
                        "weights, dropout and shuffle (default: random).")
   common.define_variable_flags(" One machine only (not with --ps_hosts).")
+  common.define_pack_bytes_flag()
   flags.DEFINE_list("ps_hosts", [], "Parameter servers' host:port list, "
                     "the same on every task; empty to train on this machine "
                     "alone.")
@@ -481,9 +495,9 @@ def main(argv):
       save_checkpoint_steps=FLAGS.save_checkpoint_steps,
       save_summaries_steps=FLAGS.save_summaries_steps, seed=FLAGS.seed,
       variable_device=FLAGS.variable_device, all_reduce=FLAGS.all_reduce,
-      mirrors=FLAGS.mirrors, ps_hosts=FLAGS.ps_hosts,
-      worker_hosts=FLAGS.worker_hosts, job_name=FLAGS.job_name,
-      task_index=FLAGS.task_index,
+      pack_bytes=FLAGS.pack_bytes, mirrors=FLAGS.mirrors,
+      ps_hosts=FLAGS.ps_hosts, worker_hosts=FLAGS.worker_hosts,
+      job_name=FLAGS.job_name, task_index=FLAGS.task_index,
       replicas_to_aggregate=FLAGS.replicas_to_aggregate,
       startup_timeout_secs=FLAGS.startup_timeout_secs), expected)
 
