@@ -26,6 +26,7 @@ import cifar10_eval
 import cifar10_model
 import cifar10_multi_gpu_train
 import common
+from test_mnist import MinimizeCalled, spy_on_minimize
 import towers
 import traindir
 
@@ -414,6 +415,9 @@ def test_training_on_two_virtual_cpu_towers_lowers_the_loss(trained):
   assert any("2 towers x 8 examples = 16 examples per step" in m
              for m in messages)
   assert any("virtual CPU devices /cpu:0, /cpu:1" in m for m in messages)
+  # The biases and softmax_linear's weights (7,680 bytes).
+  assert any(m.startswith("--pack_bytes=16384: 6 of the 10 gradients are at "
+                          "most 16384 bytes") for m in messages)
   losses = _logged_losses(messages)
   assert len(losses) == TRAIN_STEPS
   # The initial loss is the tutorial's ~4.68: cross entropy ln(10) plus
@@ -497,6 +501,7 @@ def test_a_second_trainer_on_the_same_train_dir_is_refused(trained, data_dir,
     (dict(save_checkpoint_steps=0), "--save_checkpoint_steps=0 must be"),
     (dict(all_reduce="ring"), "--all_reduce=ring applies to "
      "--variable_device=replicated only"),
+    (dict(pack_bytes=-1), "--pack_bytes=-1 must be >= 0"),
 ])
 def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
   with pytest.raises(common.FlagError, match=re.escape(words)):
@@ -504,6 +509,19 @@ def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
         data_dir=str(tmp_path / "data"), train_dir=str(tmp_path / "train"),
         fake_data=True, max_steps=5, **args)
   assert os.listdir(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("args,want", [
+    (dict(), common.DEFAULT_PACK_BYTES), (dict(pack_bytes=0), 0),
+    (dict(pack_bytes=512, variable_device="balanced"), 512)])
+def test_train_passes_pack_bytes_to_towers_minimize(tmp_path, monkeypatch,
+                                                    args, want):
+  seen = spy_on_minimize(monkeypatch)
+  with pytest.raises(MinimizeCalled):
+    cifar10_multi_gpu_train.train(
+        data_dir=str(tmp_path / "data"), train_dir=str(tmp_path / "train"),
+        num_gpus=NUM_TOWERS, fake_data=True, max_steps=1, **args)
+  assert seen == [want]
 
 
 def test_sigterm_saves_a_checkpoint_and_stops(data_dir, tmp_path):

@@ -97,6 +97,10 @@ def test_two_workers_of_two_towers_train_synchronously(data_dir, tmp_path):
   assert tf.train.load_variable(train_dir, "global_step") == 60
   chief = log.steps("worker0")
   assert chief and log.steps("worker1"), log.text()[-4000:]
+  # Each worker built its step with the default --pack_bytes.
+  for worker in ("worker0", "worker1"):
+    assert re.search(r"\[%s\].*--pack_bytes=16384: 5 of the 8 gradients"
+                     % worker, log.text()), log.text()[-4000:]
   losses = [loss for _, _, loss in chief]
   assert np.mean(losses[-3:]) < np.mean(losses[:3])
   # The chief's checkpoint restores into the single-device evaluation.

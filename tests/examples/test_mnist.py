@@ -9,6 +9,7 @@ import functools
 import glob
 import gzip
 import http.server
+import inspect
 import logging as std_logging
 import os
 import re
@@ -687,6 +688,7 @@ def test_a_finished_job_trains_no_step(trained_dir, tmp_path, absl_logs):
      "of cpu, gpu, balanced, replicated"),
     (dict(variable_device="replicated", all_reduce="nccl"),
      "--all_reduce=nccl must be one of auto, add_n, ring, collective"),
+    (dict(pack_bytes=-1), "--pack_bytes=-1 must be >= 0"),
 ])
 def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
   args = dict(dict(max_steps=5), **args)
@@ -705,7 +707,6 @@ def test_a_train_dir_that_is_a_file_is_refused(tmp_path):
 
 
 def test_every_numeric_argument_of_the_four_scripts_is_bounded():
-  import inspect  # pylint: disable=g-import-not-at-top
   import cifar10_eval  # pylint: disable=g-import-not-at-top
   import cifar10_multi_gpu_train  # pylint: disable=g-import-not-at-top
   unbounded = []
@@ -719,6 +720,52 @@ def test_every_numeric_argument_of_the_four_scripts_is_bounded():
           p.default, bool) and name != "seed" and name not in module.BOUNDS:
         unbounded.append("%s.%s" % (module.__name__, name))
   assert not unbounded
+
+
+def test_pack_bytes_default_is_towers_minimize_default():
+  # The examples write the default out (they use the public API only).
+  import cifar10_multi_gpu_train  # pylint: disable=g-import-not-at-top
+  want = inspect.signature(towers.minimize).parameters["pack_bytes"].default
+  assert common.DEFAULT_PACK_BYTES == want
+  for function in [mnist_train.train, mnist_train.build_train_graph,
+                   cifar10_multi_gpu_train.train,
+                   cifar10_multi_gpu_train.build_train_graph]:
+    assert inspect.signature(function).parameters["pack_bytes"].default == (
+        want), function.__qualname__
+
+
+class MinimizeCalled(Exception):
+  """Raised by a stand-in for towers.minimize, once it has seen its call."""
+
+
+def spy_on_minimize(monkeypatch):
+  """Replaces towers.minimize; returns the pack_bytes of each call.
+
+  The stand-in raises `MinimizeCalled`, so training stops before a session.
+  """
+  seen = []
+
+  def minimize(*args, **kwargs):
+    del args
+    seen.append(kwargs.get("pack_bytes"))
+    raise MinimizeCalled()
+
+  monkeypatch.setattr(towers, "minimize", minimize)
+  return seen
+
+
+@pytest.mark.parametrize("args,want", [
+    (dict(), common.DEFAULT_PACK_BYTES), (dict(pack_bytes=0), 0),
+    (dict(pack_bytes=512), 512),
+    (dict(pack_bytes=512, variable_device="replicated", all_reduce="ring"),
+     512)])
+def test_train_passes_pack_bytes_to_towers_minimize(tmp_path, monkeypatch,
+                                                    args, want):
+  seen = spy_on_minimize(monkeypatch)
+  with pytest.raises(MinimizeCalled):
+    _train(str(tmp_path), str(tmp_path / "train"), max_steps=1,
+           fake_data=True, **args)
+  assert seen == [want]
 
 
 def test_tower_devices_the_session_lacks_are_a_clear_error(tmp_path,
@@ -845,6 +892,8 @@ def test_a_second_signal_kills_at_once():
     ("mnist_multi_gpu_train.py",
      "--variable_device=replicated --ps_hosts=localhost:2222",
      "--variable_device=replicated applies to training on one machine"),
+    ("cifar10_multi_gpu_train.py", "--pack_bytes=-1",
+     "--pack_bytes=-1: must be >= 0"),
 ])
 def test_scripts_refuse_a_bad_flag_in_one_line(tmp_path, script, flag, words):
   (tmp_path / "file").write_text("")
@@ -930,6 +979,54 @@ def test_replicated_training_saves_the_one_copy_checkpoint_for_eval(
   assert (result.num_examples, result.global_step) == (NUM_TEST, 3)
   if all_reduce == "add_n":
     assert result.num_correct == one_copy_result.num_correct
+
+
+def _pack_concats(data_dir, **kwargs):
+  """The names of the ops that concatenate a pack, in `_build`'s graph."""
+  with tf.Graph().as_default() as g:
+    _build(data_dir, num_towers=2, dropout_rate=0.0, **kwargs)
+  return [op.name for op in g.get_operations()
+          if op.type == "ConcatV2" and "/pack/" in op.name]
+
+
+@pytest.mark.parametrize("mode", [
+    dict(), dict(variable_device="replicated", all_reduce="ring")],
+    ids=["cpu", "ring"])
+def test_packing_changes_no_bit_of_the_trained_variables(
+    one_copy_run, tmp_path, absl_logs, mode):
+  data_dir = one_copy_run[0]
+  # The default packs (the biases and conv1/weights: 5 of the 8), 0 none.
+  assert len(_pack_concats(data_dir, **mode)) >= 2
+  assert not _pack_concats(data_dir, pack_bytes=0, **mode)
+  # one_copy_run is the 'cpu' mode's run with the default.
+  dirs = {} if mode else {common.DEFAULT_PACK_BYTES: one_copy_run[1]}
+  for pack_bytes in (common.DEFAULT_PACK_BYTES, 0):
+    if pack_bytes not in dirs:
+      dirs[pack_bytes] = str(tmp_path / str(pack_bytes))
+      assert mnist_train.train(
+          train_dir=dirs[pack_bytes], data_dir=data_dir,
+          pack_bytes=pack_bytes, **mode, **REPLICATED_RUN) == 3
+  logs = absl_logs()
+  assert "--pack_bytes=0: packing off, each gradient is reduced on its own" in (
+      logs)
+  if mode:
+    assert ("--pack_bytes=16384: 5 of the 8 gradients are at most 16384 "
+            "bytes; those reduced alike (one dtype, the same devices) share "
+            "a pack, one transfer per tower instead of one per gradient (0 "
+            "turns packing off)") in logs
+  # Every variable, slot and the step, bit for bit.
+  packed, unpacked = (_checkpoint(dirs[p])
+                      for p in (common.DEFAULT_PACK_BYTES, 0))
+  assert sorted(packed) == sorted(unpacked)
+  for name, value in unpacked.items():
+    np.testing.assert_array_equal(packed[name], value, err_msg=name)
+
+
+def test_one_tower_logs_that_it_packs_nothing(absl_logs):
+  t = towers.Towers(**dict.fromkeys(towers.Towers._fields))
+  common.log_packing(t._replace(devices=["/cpu:0"]), 16384)
+  assert absl_logs() == ["--pack_bytes=16384: one tower, whose gradients need "
+                         "no reduction, so none is packed"]
 
 
 def test_checkpoints_resume_across_modes_and_set_every_copy(
