@@ -37,6 +37,24 @@ BYTES_MIN_TOWERS = 4
 # Every variant's measured bytes through its busiest device within this
 # share of the figure its design predicts.
 TRAFFIC_TOLERANCE = 0.10
+# Gradient packing's targets (issue 11): each packed row against its
+# unpacked twin (pack_bytes=0) at the same number of towers. On the model of
+# many small variables, from PACKED_MIN_TOWERS towers on, packing must pay,
+# in the "cpu" mode and replicated with add_n and the collective; and its
+# packed rows must send no more tensors through their busiest device than
+# the design predicts (one per pack where there was one per gradient).
+PACKED_RATIO = 1.15
+PACKED_WORKLOAD = "many_small"
+PACKED_MIN_TOWERS = 4
+PACKED_MODES = (graphs.TOWERS, graphs.REPLICATED_ADD_N,
+                graphs.REPLICATED_COLLECTIVE)
+# On the CNNs, whose few small gradients (biases, a small kernel) the
+# default packs, packing must not cost: at these tower counts, in the "cpu"
+# mode and replicated with add_n.
+PACKED_DEFAULT_RATIO = 0.98
+PACKED_DEFAULT_WORKLOADS = ("mnist", "cifar10")
+PACKED_DEFAULT_TOWERS = (2, 4)
+PACKED_DEFAULT_MODES = (graphs.TOWERS, graphs.REPLICATED_ADD_N)
 # The process peak (resident memory) must see at least this share of the
 # tensors the step allocates at once; below it, resident memory does not
 # follow the tensors on this machine, and the measure is unavailable.
@@ -156,6 +174,49 @@ def _percent(error: float) -> str:
   return "%+.1f%%" % (100 * error) if error != float("inf") else "expected 0"
 
 
+def packing_pairs(rows: List[Dict[str, object]]
+                 ) -> List[Tuple[Dict[str, object], Dict[str, object]]]:
+  """Returns ``(packed row, unpacked row)`` of each twin timed, in order."""
+  by_key = {(r["variant"], r["num_towers"]): r for r in rows}
+  pairs = []
+  for unpacked, packed in graphs.UNPACKED.items():
+    for n in sorted({r["num_towers"] for r in rows}):
+      if (packed, n) in by_key and (unpacked, n) in by_key:
+        pairs.append((by_key[(packed, n)], by_key[(unpacked, n)]))
+  return pairs
+
+
+def packing_targets(workload: Dict[str, object]) -> None:
+  """Adds a workload's packing targets to its packed rows, in place.
+
+  The speed targets are `_speed_target`s against the unpacked twin; the
+  tensors target is a count (no interval): the tensors through the packed
+  row's busiest device at most the expected figure's busiest device's.
+  """
+  name = workload["workload"]
+  for row, twin in packing_pairs(workload["rows"]):
+    variant, n = row["variant"], row["num_towers"]
+    targets = []
+    if (name == PACKED_WORKLOAD and n >= PACKED_MIN_TOWERS
+        and variant in PACKED_MODES):
+      targets.append(_speed_target(row, twin, PACKED_RATIO))
+      moved = row.get("traffic")
+      if moved:
+        targets.append(_target(
+            "busiest device's tensors <= expected",
+            moved["busiest_tensors"] <= moved["expected_busiest_tensors"],
+            "%s %d, expected %d; unpacked %d" % (
+                moved["busiest_tensors_device"], moved["busiest_tensors"],
+                moved["expected_busiest_tensors"],
+                twin["traffic"]["busiest_tensors"] if twin.get("traffic")
+                else 0)))
+    elif (name in PACKED_DEFAULT_WORKLOADS and n in PACKED_DEFAULT_TOWERS
+          and variant in PACKED_DEFAULT_MODES):
+      targets.append(_speed_target(row, twin, PACKED_DEFAULT_RATIO))
+    # Marked, so that the packing section lists them apart.
+    row["targets"] += [dict(t, packing=True) for t in targets]
+
+
 def process_unavailable(measured: Dict[str, object]) -> Optional[str]:
   """Returns why one step's process peak is no measurement, or None.
 
@@ -248,6 +309,7 @@ def add_targets(results: Dict[str, object]) -> None:
   else:
     for workload in results["throughput"]:
       throughput_targets(workload["rows"])
+      packing_targets(workload)
     if averaging:
       averaging_targets(averaging)
     if build:
@@ -291,8 +353,12 @@ def _traffic_note(parameter_bytes: int) -> str:
       "(towers, towers_balanced, original, replicated_add_n: 2(N-1)P "
       "through /cpu:0, tower 0's device here; 2NP where no tower shares "
       "it); 2(N-1)/N P each way per device (ring, collective); nothing "
-      "(plain, independent). Counts, not timings: a GPU machine moves the "
-      "same bytes." % _mib(parameter_bytes))
+      "(plain, independent). With packing (all but the _unpacked rows, "
+      "plain, independent and original), the gradients of at most "
+      "pack_bytes of one device and dtype cross as one pack: the same "
+      "bytes in fewer tensors, which the expected tensors count (the "
+      "towers' reads stay one per variable). Counts, not timings: a GPU "
+      "machine moves the same bytes." % _mib(parameter_bytes))
 
 
 def _mib(size: float) -> str:
@@ -345,6 +411,78 @@ def traffic_markdown(workload: Dict[str, object]) -> List[str]:
   return lines
 
 
+def _tensors(moved: Optional[Dict[str, object]], key: str) -> str:
+  """A tensor count beside its expected figure: ``"603 (603)"``."""
+  if not moved:
+    return "-"
+  return "%d (%d)" % (moved[key], moved["expected_" + key])
+
+
+def _collectives(moved: Optional[Dict[str, object]]) -> str:
+  if not moved or moved.get("expected_collectives") is None:
+    return "-"
+  return "%d (%d)" % (moved["collectives"], moved["expected_collectives"])
+
+
+def packing_markdown(results: Dict[str, object]) -> List[str]:
+  """Returns the packing section: each packed row against its twin."""
+  quick = results.get("quick")
+  pairs = [(workload, row, twin) for workload in results["throughput"]
+           for row, twin in packing_pairs(workload["rows"])]
+  if not pairs:
+    return []
+  pack_bytes = sorted({row["traffic"]["pack_bytes"] for _, row, _ in pairs
+                       if row.get("traffic")})
+  lines = ["### Gradient packing: packed against pack_bytes=0%s" % (
+      " (quick run)" if quick else ""), "",
+           "Each packed row (the library's default pack_bytes, %s) "
+           "against its unpacked twin (pack_bytes=0), the same graph "
+           "otherwise, timed in the same rounds: packed examples/sec over "
+           "unpacked, with its 95%% bootstrap interval. Tensors: the "
+           "parameters' tensors that cross between devices in one step, "
+           "through the busiest device (sent + received) and in all (each "
+           "once), measured (expected: one per pack where there was one per "
+           "gradient; the towers' reads stay one per variable per tower). "
+           "Collectives: the collective ops of the step, measured "
+           "(expected: one per pack per device)."
+           % ", ".join(_size(b) for b in pack_bytes), "",
+           "| workload | mode | towers | packed / unpacked examples/sec | "
+           "busiest device's tensors, packed (expected) | unpacked "
+           "(expected) | tensors in all, packed (expected) | unpacked "
+           "(expected) | collectives, packed (expected) | unpacked "
+           "(expected) |" + ("" if quick else " targets |"),
+           "|---|---|---:|---:|---|---|---:|---:|---:|---:|"
+           + ("" if quick else "---|")]
+  for workload, row, twin in pairs:
+    ratio = row["examples_per_sec"] / twin["examples_per_sec"]
+    low, high = ratio_interval(row, twin)
+    moved, theirs = row.get("traffic"), twin.get("traffic")
+    busiest = "-"
+    if moved:
+      busiest = "%s %s" % (moved["busiest_tensors_device"],
+                           _tensors(moved, "busiest_tensors"))
+    line = "| %s | %s | %d | %.3fx [%.3f, %.3f] | %s | %s | %s | %s | %s | " \
+        "%s |" % (workload["workload"], row["variant"], row["num_towers"],
+                  ratio, low, high, busiest,
+                  _tensors(theirs, "busiest_tensors"),
+                  _tensors(moved, "tensors"), _tensors(theirs, "tensors"),
+                  _collectives(moved), _collectives(theirs))
+    if not quick:
+      line += " %s |" % _met([t for t in row["targets"]
+                              if t.get("packing")])
+    lines.append(line)
+  lines.append("")
+  if quick:
+    lines += [_targets_line(results, []), ""]
+  return lines
+
+
+def _size(size: int) -> str:
+  if size % 1024 == 0:
+    return "%d KiB" % (size // 1024)
+  return "%d B" % size
+
+
 def markdown(results: Dict[str, object]) -> str:
   """Returns the results as markdown tables.
 
@@ -376,7 +514,8 @@ def markdown(results: Dict[str, object]) -> str:
         line += " %s |" % _met(row["targets"])
       lines.append(line)
     lines += [""]
-    if results.get("mirrored_skipped"):
+    if results.get("mirrored_skipped") and workload.get("mirrored_planned",
+                                                        True):
       lines += [results["mirrored_skipped"], ""]
     if quick:
       lines += [_targets_line(results, []), ""]
@@ -385,6 +524,7 @@ def markdown(results: Dict[str, object]) -> str:
                   workload["rounds"]["foreign_cores"]),
                                  workload["rounds"]["repeated_rounds"]), ""]
     lines += traffic_markdown(workload)
+  lines += packing_markdown(results)
   averaging = results.get("average_gradients")
   if averaging:
     unavailable = averaging.get("process_unavailable")
@@ -472,11 +612,19 @@ def chart(results: Dict[str, object], path: str) -> Optional[str]:
     return None
   workloads = results["throughput"]
   figure, axes = pyplot.subplots(1, len(workloads), squeeze=False,
-                                 figsize=(4.6 * len(workloads), 3.6))
+                                 figsize=(5.0 * len(workloads), 3.6))
   styles = {graphs.TOWERS: "o-", graphs.BALANCED: "s--",
             graphs.REPLICATED_ADD_N: "D-", graphs.REPLICATED_RING: "P-",
             graphs.REPLICATED_COLLECTIVE: "X--", graphs.INDEPENDENT: "h-.",
-            graphs.ORIGINAL: "^-", graphs.MIRRORED: "v-"}
+            graphs.ORIGINAL: "^-", graphs.MIRRORED: "v-",
+            graphs.TOWERS_UNPACKED: "o:",
+            graphs.REPLICATED_ADD_N_UNPACKED: "D:",
+            graphs.REPLICATED_COLLECTIVE_UNPACKED: "X:"}
+  # An unpacked twin takes its packed variant's color, dotted.
+  bases = [v for v in graphs.VARIANTS
+           if v != graphs.PLAIN and v not in graphs.UNPACKED]
+  colors = {v: "C%d" % bases.index(graphs.UNPACKED.get(v, v))
+            for v in styles}
   for ax, workload in zip(axes[0], workloads):
     rows = workload["rows"]
     counts = sorted({r["num_towers"] for r in rows})
@@ -490,7 +638,7 @@ def chart(results: Dict[str, object], path: str) -> Optional[str]:
                    label="plain (one device)")
         continue
       x, y = zip(*points)
-      ax.plot(x, y, styles[variant], label=variant)
+      ax.plot(x, y, styles[variant], color=colors[variant], label=variant)
     ax.set_xscale("log", base=2)
     ax.set_xticks(counts)
     ax.set_xticklabels([str(c) for c in counts])
@@ -498,7 +646,8 @@ def chart(results: Dict[str, object], path: str) -> Optional[str]:
     ax.set_xlabel("towers (global batch %d)" % workload["global_batch"])
     ax.set_ylabel("examples/sec")
     ax.set_title(workload["title"]
-                 + (" (quick run)" if results.get("quick") else ""))
+                 + (" (quick run)" if results.get("quick") else ""),
+                 fontsize="medium")
     ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize="small", loc="lower left")
   if results.get("quick"):

@@ -18,8 +18,13 @@ CIFAR-10 CNNs on synthetic in-memory batches as
 - mirrored: TF2's ``tf.distribute.MirroredStrategy`` with a ``tf.function``
   step, each strategy in a worker process of its own (skipped, with the
   install command, where tf_keras is missing on TensorFlow >= 2.16);
+- unpacked: the towers, replicated add_n and collective rows again with
+  gradient packing off (``pack_bytes=0``; the rows above pack small
+  gradients, the library's default);
 
-then `towers.average_gradients` alone against the original's on a large
+and a model of many small variables (200 x 4 KiB, little compute) as plain
+and those packed and unpacked rows only; then
+`towers.average_gradients` alone against the original's on a large
 gradient set (time and peak memory), and the graph build time and op count
 of 1, 2, 4 and 8 towers. Every graph variant also counts the bytes and
 tensors that cross between its devices in one untimed step, beside the
@@ -59,6 +64,16 @@ from benchmarks import report
 from benchmarks import workloads
 
 FLAGS = flags.FLAGS
+# The quick run's "many_small" model: its graphs build in seconds.
+QUICK_MANY_SMALL_VARIABLES = 20
+
+# The model made for gradient packing (issue 11) runs plain and the modes
+# timed packed and unpacked only: its rows are about packing.
+PACKING_WORKLOADS = frozenset(["many_small"])
+PACKING_VARIANTS = (graphs.TOWERS, graphs.TOWERS_UNPACKED,
+                    graphs.REPLICATED_ADD_N, graphs.REPLICATED_ADD_N_UNPACKED,
+                    graphs.REPLICATED_COLLECTIVE,
+                    graphs.REPLICATED_COLLECTIVE_UNPACKED)
 
 
 def _step_stats(times: Sequence[float]) -> Dict[str, object]:
@@ -176,6 +191,36 @@ def load_average() -> List[float]:
     return []
 
 
+def plan(workload_name: str,
+         tower_counts: Sequence[int]) -> List[Tuple[str, int]]:
+  """Returns the graph variants timed on a workload: ``(variant, towers)``.
+
+  The MirroredStrategy rows (`has_mirrored`) are not in it: they run in
+  worker processes.
+  """
+  # With one tower, "balanced" places every variable on that tower's
+  # device, as "cpu" does here: the same graph, so it is not run again. So
+  # do the replicated modes (one copy, nothing to reduce), and one
+  # independent tower is plain. Nothing is packed with one tower either.
+  many = [n for n in tower_counts if n > 1]
+  if workload_name in PACKING_WORKLOADS:
+    return [(graphs.PLAIN, 1)] + [(variant, n) for variant in PACKING_VARIANTS
+                                  for n in many]
+  steps = [(graphs.PLAIN, 1)]
+  steps += [(graphs.TOWERS, n) for n in tower_counts]
+  steps += [(graphs.BALANCED, n) for n in many]
+  steps += [(variant, n) for variant in graphs.REPLICATED for n in many]
+  steps += [(graphs.INDEPENDENT, n) for n in many]
+  steps += [(graphs.ORIGINAL, n) for n in tower_counts]
+  steps += [(variant, n) for variant in graphs.UNPACKED for n in many]
+  return steps
+
+
+def has_mirrored(workload_name: str) -> bool:
+  """Whether a workload is also timed on TF2's MirroredStrategy."""
+  return workload_name not in PACKING_WORKLOADS
+
+
 def throughput(workload: workloads.Workload, *, global_batch: int,
                tower_counts: Sequence[int], num_devices: int,
                workers: Dict[int, mirrored.MirroredWorker],
@@ -187,19 +232,8 @@ def throughput(workload: workloads.Workload, *, global_batch: int,
   step; it waits for any start-up work still running beside this process.
   """
   images, labels = workloads.synthetic_batch(workload, global_batch)
-  plan = [(graphs.PLAIN, 1)]
-  plan += [(graphs.TOWERS, n) for n in tower_counts]
-  # With one tower, "balanced" places every variable on that tower's
-  # device, as "cpu" does here: the same graph, so it is not run again. So
-  # do the replicated modes (one copy, nothing to reduce), and one
-  # independent tower is plain.
-  many = [n for n in tower_counts if n > 1]
-  plan += [(graphs.BALANCED, n) for n in many]
-  plan += [(variant, n) for variant in graphs.REPLICATED for n in many]
-  plan += [(graphs.INDEPENDENT, n) for n in many]
-  plan += [(graphs.ORIGINAL, n) for n in tower_counts]
   runners, num_ops, moved = {}, {}, {}
-  for variant, n in plan:
+  for variant, n in plan(workload.name, tower_counts):
     step = graphs.GraphStep(workload, variant, n, images, labels,
                             num_devices)
     runners[(variant, n)] = step
@@ -232,7 +266,8 @@ def throughput(workload: workloads.Workload, *, global_batch: int,
   order = {v: i for i, v in enumerate(graphs.VARIANTS)}
   rows.sort(key=lambda r: (order[r["variant"]], r["num_towers"]))
   return {"workload": workload.name, "title": workload.title,
-          "global_batch": global_batch, "rows": rows, "rounds": rounds_info}
+          "global_batch": global_batch, "rows": rows, "rounds": rounds_info,
+          "mirrored_planned": has_mirrored(workload.name)}
 
 
 def average_gradients_result(peaks: averaging.PeakMeasurements, *,
@@ -276,6 +311,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         averaging_rounds: int, averaging_peak_towers: Sequence[int],
         build_workload: str,
         build_counts: Sequence[int], build_repeats: int, quick: bool,
+        many_small_variables: int = workloads.MANY_SMALL_VARIABLES,
         mirrored_skipped: Optional[str] = None,
         max_foreign_cores: float = 0.25, quiet_wait_seconds: float = 0.0,
         chart: bool = True) -> Dict[str, object]:
@@ -303,6 +339,9 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     quick: a quick run: recorded in the results, said in the tables and
       the chart, and no target gets a verdict (a few steps on tiny batches
       are not measurements).
+    many_small_variables: the variables of the "many_small" workload
+      (`workloads.MANY_SMALL_VARIABLES`; fewer in a quick run, whose graphs
+      must build fast).
     mirrored_skipped: why the MirroredStrategy rows cannot run here
       (`mirrored.installed_unavailable_reason`), or None to run them.
     max_foreign_cores: other processes' cores above which a timed round
@@ -325,6 +364,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
              "settings": {
                  "tower_counts": list(tower_counts),
                  "global_batches": dict(global_batches),
+                 "many_small_variables": many_small_variables,
                  "warmup_steps": warmup, "rounds": rounds,
                  "untimed_steps_per_visit": 1,
                  "steps_per_round": steps, "num_devices": num_devices,
@@ -343,7 +383,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   workers = {(name, n): mirrored.MirroredWorker(
       name, n, global_batches[name], num_devices)
              for name in workload_names for n in tower_counts
-             if not mirrored_skipped}
+             if has_mirrored(name) and not mirrored_skipped}
   monitor = quiet.CpuMonitor(lambda: [w.pid for w in workers.values()])
   quiet_policy = Quiet(monitor, max_foreign_cores, quiet_wait_seconds)
   peak_tower_counts = sorted(set(averaging_peak_towers)
@@ -356,7 +396,8 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     results["throughput"] = []
     for name in workload_names:
       results["throughput"].append(throughput(
-          workloads.WORKLOADS[name], global_batch=global_batches[name],
+          _workload(name, many_small_variables),
+          global_batch=global_batches[name],
           tower_counts=tower_counts, num_devices=num_devices,
           workers={n: w for (wn, n), w in workers.items() if wn == name},
           before_timing=peaks.results, quiet_policy=quiet_policy,
@@ -404,13 +445,24 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   return results
 
 
+def _workload(name: str, many_small_variables: int) -> workloads.Workload:
+  """Returns a workload by name, "many_small" with its number of variables."""
+  if name == "many_small":
+    return workloads.small_variables(workloads.MANY_SMALL_WIDTH,
+                                     many_small_variables)
+  return workloads.WORKLOADS[name]
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
   if FLAGS.quick:
+    # The packing rows on a model of 20 small variables, not 200: the 200
+    # variables' graphs alone take a minute to build.
     settings = dict(
-        workload_names=["mnist"], tower_counts=[1, 2],
-        global_batches={"mnist": 32, "cifar10": 32}, warmup=1, rounds=2,
+        workload_names=["mnist", "many_small"], tower_counts=[1, 2],
+        global_batches={"mnist": 32, "cifar10": 32, "many_small": 8},
+        many_small_variables=QUICK_MANY_SMALL_VARIABLES, warmup=1, rounds=2,
         steps=2, averaging_shape=[4, 4, 256 * 1024], averaging_rounds=2,
         averaging_peak_towers=[],
         build_workload="mnist", build_counts=[1, 2, 4], build_repeats=1,
@@ -420,7 +472,8 @@ def main(argv):
         workload_names=FLAGS.workloads,
         tower_counts=[int(n) for n in FLAGS.towers],
         global_batches={"mnist": FLAGS.mnist_batch,
-                        "cifar10": FLAGS.cifar10_batch},
+                        "cifar10": FLAGS.cifar10_batch,
+                        "many_small": FLAGS.many_small_batch},
         warmup=FLAGS.warmup, rounds=FLAGS.rounds, steps=FLAGS.steps,
         averaging_shape=[int(n) for n in FLAGS.averaging_shape],
         averaging_rounds=FLAGS.averaging_rounds,
@@ -452,14 +505,21 @@ def define_flags():
                       "and the chart; created if missing. Default: "
                       "/tmp/towers_bench, or /tmp/towers_bench_quick with "
                       "--quick.")
-  flags.DEFINE_boolean("quick", False, "A small run (MNIST only, tiny batch "
-                       "and sets, few steps) in under a minute, to check "
-                       "that everything runs: no verdicts on the targets. "
-                       "It ignores the size flags below.")
-  flags.DEFINE_list("workloads", ["mnist", "cifar10"], "Models to time.")
+  flags.DEFINE_boolean("quick", False, "A small run (MNIST and 20 small "
+                       "variables, tiny batches and sets, few steps) in "
+                       "about a minute, to check that everything runs: no "
+                       "verdicts on the targets. It ignores the size flags "
+                       "below.")
+  flags.DEFINE_list("workloads", ["mnist", "cifar10", "many_small"],
+                    "Models to time.")
   flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts.")
   flags.DEFINE_integer("mnist_batch", 256, "MNIST global batch.")
   flags.DEFINE_integer("cifar10_batch", 256, "CIFAR-10 global batch.")
+  flags.DEFINE_integer("many_small_batch", 64, "Global batch of the model "
+                       "of many small variables. Small: it does little "
+                       "compute per example, so the per-tensor cost of the "
+                       "gradients' reduction shows, as it does for small "
+                       "layers on a GPU.")
   flags.DEFINE_integer("warmup", 3, "Untimed steps per variant.")
   flags.DEFINE_integer("rounds", 10, "Interleaved rounds.")
   flags.DEFINE_integer("steps", 3, "Timed steps per variant per round.")

@@ -25,6 +25,7 @@ from benchmarks import mirrored
 from benchmarks import report
 from benchmarks import run
 from benchmarks import traffic
+from benchmarks import workloads
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MIB = 1 << 20
@@ -46,16 +47,23 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   assert results["quick"]
   skipped = mirrored.installed_unavailable_reason()
   assert results["mirrored_skipped"] == skipped
-  [mnist] = results["throughput"]
+  mnist, many_small = results["throughput"]
   seen = {(r["variant"], r["num_towers"]) for r in mnist["rows"]}
+  unpacked = {("towers_unpacked", 2), ("replicated_add_n_unpacked", 2),
+              ("replicated_collective_unpacked", 2)}
   want = {("plain", 1), ("towers", 1), ("towers", 2), ("towers_balanced", 2),
           ("replicated_add_n", 2), ("replicated_ring", 2),
           ("replicated_collective", 2), ("independent", 2),
-          ("original", 1), ("original", 2)}
+          ("original", 1), ("original", 2)} | unpacked
   if not skipped:
     want |= {("mirrored", 1), ("mirrored", 2)}
   assert seen == want
-  for row in mnist["rows"]:
+  # The model of many small variables: plain and the packing rows only.
+  assert many_small["workload"] == "many_small"
+  assert {(r["variant"], r["num_towers"]) for r in many_small["rows"]} == {
+      ("plain", 1), ("towers", 2), ("replicated_add_n", 2),
+      ("replicated_collective", 2)} | unpacked
+  for row in mnist["rows"] + many_small["rows"]:
     assert row["examples_per_sec"] > 0, row
     assert row["ratio_to_plain"] > 0, row
     assert row["steps_timed"] > 0, row
@@ -75,14 +83,40 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
       assert fields["sent_bytes"] == fields["received_bytes"] == size, key
       assert fields["expected_sent_bytes"] == size, key
   # 8 variables, 4 of them small (the biases, conv1's kernel): one pack
-  # and 3 alone, a collective each per device.
+  # and 3 alone, a collective each per device; 8 each unpacked.
   assert moved[("replicated_collective", 2)]["collectives"] == 8
-  assert moved[("replicated_collective", 2)]["collectives"] == (
-      moved[("replicated_collective", 2)]["expected_collectives"])
+  assert moved[("replicated_collective_unpacked", 2)]["collectives"] == 16
+  for key in [("replicated_collective", 2),
+              ("replicated_collective_unpacked", 2)]:
+    assert moved[key]["collectives"] == moved[key]["expected_collectives"]
+  assert moved[("replicated_ring", 2)]["collectives"] == 0
+  # Packed or not, the same bytes; the replicated modes' tensors are their
+  # design's (the one-copy modes read two weights twice).
+  for packed, twin in [("towers", "towers_unpacked"),
+                       ("replicated_add_n", "replicated_add_n_unpacked"),
+                       ("replicated_collective",
+                        "replicated_collective_unpacked")]:
+    assert moved[(packed, 2)]["busiest_bytes"] == (
+        moved[(twin, 2)]["busiest_bytes"])
+    assert moved[(packed, 2)]["tensors"] < moved[(twin, 2)]["tensors"]
   for key, fields in moved.items():
     if key[0].startswith("replicated"):
       assert fields["tensors"] == fields["expected_tensors"], key
-  assert moved[("replicated_ring", 2)]["collectives"] == 0
+  # The many small variables' rows move exactly their design: bytes and
+  # tensors, per device; every gradient in one pack.
+  for row in many_small["rows"]:
+    for device, fields in row["traffic"]["devices"].items():
+      for field in traffic.FIELDS:
+        assert fields[field] == fields["expected_" + field], (row, device)
+  small = {r["variant"]: r["traffic"] for r in many_small["rows"]}
+  variables = run.QUICK_MANY_SMALL_VARIABLES
+  assert small["towers"]["devices"]["cpu:1"]["sent_tensors"] == 1
+  assert small["towers_unpacked"]["devices"]["cpu:1"]["sent_tensors"] == (
+      variables)
+  assert small["replicated_collective"]["collectives"] == 2
+  assert small["replicated_collective_unpacked"]["collectives"] == (
+      2 * variables)
+
   assert moved[("independent", 2)]["busiest_bytes"] == 0
   assert moved[("towers", 2)]["busiest_bytes"] > 2 * size
   assert moved[("towers", 1)]["busiest_bytes"] == 0
@@ -112,6 +146,13 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   assert results["targets"] == []
   assert "| towers | 2 |" in done.stdout
   assert "| replicated_collective * | 2 |" in done.stdout
+  assert "| towers_unpacked | 2 |" in done.stdout
+  assert "### Many small variables (20 x 1024 floats)" in done.stdout
+  assert "### Gradient packing: packed against pack_bytes=0 (quick run)" in (
+      done.stdout)
+  assert "| many_small | replicated_collective | 2 |" in done.stdout
+  assert "| mnist | towers | 2 |" in done.stdout
+
   assert "quick run: no verdicts" in done.stdout
   assert not VERDICT.search(done.stdout)
   table = (out / "results.md").read_text()
@@ -438,12 +479,13 @@ def test_traffic_expected_for_parameters_on_a_device_of_their_own():
       "cpu:0": _fields(0, 0, 0, 0), "cpu:1": _fields(0, 0, 0, 0)}
 
 
-def _moved(devices, expectation, collectives=0):
+def _moved(devices, expectation, collectives=0, **summarize_kwargs):
   """A made-up traffic count of 4 towers, summarized as `run.run` does."""
   measured = {"devices": devices, "input": {"bytes": MIB, "tensors": 3},
               "other": {"bytes": 0, "tensors": 0}, "control_edges": 3,
               "collectives": collectives, "unsized": []}
-  return traffic.summarize(measured, expectation, parameter_bytes=80 * MIB)
+  return traffic.summarize(measured, expectation, parameter_bytes=80 * MIB,
+                           **summarize_kwargs)
 
 
 def test_replicated_rows_get_speed_and_traffic_verdicts():
@@ -489,3 +531,114 @@ def test_replicated_rows_get_speed_and_traffic_verdicts():
       table)
   assert "| towers | 4 | 320.0 | cpu:0 600.0 (480.0) |" in table
   assert "cpu:0 360.0 / 240.0 (240.0 / 240.0); cpu:1 80.0 / 80.0" in table
+
+
+def _packing_workload(name, seconds, num_towers=4, sent_more=0):
+  """Made-up rows of a workload of 200 variables of 4 KiB on /cpu:0.
+
+  `seconds`: variant -> its step time; `sent_more`: tensors the packed
+  "cpu" row's busiest device sends beyond its design.
+  """
+  devices = ["/cpu:%d" % i for i in range(num_towers)]
+  variables = [("/cpu:0", 4096, "float32")] * 200
+  rows = [_row("plain", 1, 0.1)]
+  for variant, step in seconds.items():
+    packed = graphs.UNPACKED.get(variant, variant)
+    pack_bytes = graphs.pack_bytes_in_effect(variant)
+    replicated = packed != graphs.TOWERS
+    pattern = traffic.RING if packed == graphs.REPLICATED_COLLECTIVE else (
+        traffic.STAR)
+    expectation = traffic.expected(pattern, variables, devices,
+                                   pack_bytes=pack_bytes,
+                                   replicated=replicated)
+    measured = {d: dict(f) for d, f in expectation.items()}
+    if variant == graphs.TOWERS:
+      measured["cpu:0"]["sent_tensors"] += sent_more
+    collectives = None
+    if pattern == traffic.RING:
+      collectives = traffic.expected_collectives(variables, devices,
+                                                 pack_bytes=pack_bytes)
+    rows.append(dict(_row(variant, num_towers, step), traffic=_moved(
+        measured, expectation, collectives or 0, pack_bytes=pack_bytes,
+        expected_collectives=collectives)))
+  return {"workload": name, "title": name, "global_batch": 32,
+          "rounds": {"foreign_cores": [0.0], "repeated_rounds": 0},
+          "rows": rows}
+
+
+def test_many_small_is_200_variables_of_4_kib():
+  workload = workloads.WORKLOADS["many_small"]
+  assert workload.title == "Many small variables (200 x 1024 floats)"
+  images, labels = workloads.synthetic_batch(workload, 4)
+  assert images.shape == (4, 1024) and labels.shape == (4,)
+  with tf.Graph().as_default():
+    loss = workload.loss_fn(tf.constant(images), tf.constant(labels))
+    assert loss.shape == []
+    variables = tf.trainable_variables()
+  assert len(variables) == 200
+  assert {tuple(v.shape.as_list()) for v in variables} == {(1024,)}
+  assert variables[0].name == "layer_0/scale:0"
+  with pytest.raises(ValueError, match="even number of variables"):
+    workloads.small_variables(256, 7)
+  with pytest.raises(ValueError, match="at least 10 floats"):
+    workloads.small_variables(8, 2)
+
+
+def test_packing_rows_get_their_targets_and_a_section():
+  results = _results(quick=False)
+  results["throughput"][0]["rows"] += [
+      # MNIST at 2 towers: packed 0.99x unpacked (met), add_n 0.95x (not).
+      _row("towers", 2, 0.099), _row("towers_unpacked", 2, 0.098),
+      _row("replicated_add_n", 2, 0.100), _row("replicated_add_n_unpacked",
+                                               2, 0.095)]
+  results["throughput"].append(_packing_workload("many_small", {
+      "towers": 0.080, "towers_unpacked": 0.100,  # 1.25x: met.
+      "replicated_add_n": 0.090, "replicated_add_n_unpacked": 0.100,
+      "replicated_collective": 0.050, "replicated_collective_unpacked": 0.200,
+  }, sent_more=1))
+  report.add_targets(results)
+  verdicts = {(t["scope"], t["target"]): t for t in results["targets"]}
+
+  def met(scope, target):
+    return verdicts[(scope, target)]["met"]
+
+  assert met("mnist towers x2", ">= 0.98x towers_unpacked")
+  assert not met("mnist replicated_add_n x2",
+                 ">= 0.98x replicated_add_n_unpacked")
+  assert met("many_small towers x4", ">= 1.15x towers_unpacked")
+  assert not met("many_small replicated_add_n x4",
+                 ">= 1.15x replicated_add_n_unpacked")
+  assert met("many_small replicated_collective x4",
+             ">= 1.15x replicated_collective_unpacked")
+  tensors = "busiest device's tensors <= expected"
+  # The packed "cpu" row sends one tensor more than its design.
+  assert not met("many_small towers x4", tensors)
+  assert ("cpu:0 604, expected 603; unpacked 1200"
+          in verdicts[("many_small towers x4", tensors)]["detail"])
+  assert met("many_small replicated_add_n x4", tensors)
+  assert met("many_small replicated_collective x4", tensors)
+  # The unpacked twins get no packing target of their own.
+  assert not [k for k, t in verdicts.items()
+              if "unpacked x" in k[0] and t.get("packing")]
+  assert not [k for k in verdicts if k[0] == "many_small towers x1"]
+  table = report.markdown(results)
+  assert "### Gradient packing: packed against pack_bytes=0\n" in table
+  assert "the library's default pack_bytes, 16 KiB" in table
+  assert ("| many_small | towers | 4 | 1.250x [1.250, 1.250] | cpu:0 604 "
+          "(603) | 1200 (1200) | 604 (603) | 1200 (1200) | - | - | "
+          ">= 1.15x towers_unpacked: met") in table
+  assert ("| many_small | replicated_collective | 4 | 4.000x [4.000, 4.000] "
+          "| cpu:0 12 (12) | 2400 (2400) | 24 (24) | 4800 (4800) | 4 (4) | "
+          "800 (800) |") in table
+
+
+def test_quick_packing_section_gives_no_verdicts():
+  results = _results(quick=True)
+  results["throughput"].append(_packing_workload("many_small", {
+      "towers": 0.080, "towers_unpacked": 0.100}))
+  report.add_targets(results)
+  assert results["targets"] == []
+  table = report.markdown(results)
+  assert "### Gradient packing: packed against pack_bytes=0 (quick run)" in (
+      table)
+  assert not VERDICT.search(table)
