@@ -8,6 +8,7 @@ batches, trained as a plain single-device graph, on `towers`, on the same
 towers averaged the original tutorial's way, and with TF2's
 ``tf.distribute.MirroredStrategy``; time and peak memory of
 `towers.average_gradients` against the original's on a large gradient set;
-graph build time and op count against the number of towers. See
-docs/performance.md. Not part of the `towers` library.
+graph build time and op count against the number of towers; gradient
+packing against none, on a model of many small variables and by the size of
+a gradient. See docs/performance.md. Not part of the `towers` library.
 """

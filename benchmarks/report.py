@@ -477,6 +477,45 @@ def packing_markdown(results: Dict[str, object]) -> List[str]:
   return lines
 
 
+def sweep_markdown(results: Dict[str, object]) -> List[str]:
+  """Returns the pack_bytes sweep's table: packed against not, by size."""
+  sweep = results.get("packing_sweep")
+  if not sweep:
+    return []
+  quick = results.get("quick")
+  lines = ["### pack_bytes sweep: %d towers, variables on /cpu:0, global "
+           "batch %d%s" % (sweep["num_towers"], sweep["global_batch"],
+                           " (quick run)" if quick else ""), "",
+           "Layers h = tanh(h * scale + offset) with a scale and an offset "
+           "of S bytes each (float32), about the same parameter bytes at "
+           "every size; packed (pack_bytes = S: every gradient in one pack) "
+           "against unpacked (pack_bytes=0), in interleaved rounds. The "
+           "measurement the default pack_bytes rests on; no target.", "",
+           "| tensor size | variables | parameters MiB | packed step ms "
+           "(median [q1, q3]) | unpacked step ms (median [q1, q3]) | packed "
+           "/ unpacked examples/sec | tensors in all, packed / unpacked "
+           "(expected) |",
+           "|---:|---:|---:|---:|---:|---:|---|"]
+  for row in sweep["rows"]:
+    packed, unpacked = row["packed"], row["unpacked"]
+    low, high = row["ratio_interval"]
+    lines.append(
+        "| %s | %d | %.2f | %.1f [%.1f, %.1f] | %.1f [%.1f, %.1f] | "
+        "%.3fx [%.3f, %.3f] | %d (%d) / %d (%d) |" % (
+            _size(row["size_bytes"]), row["num_variables"],
+            row["parameter_bytes"] / MIB, 1e3 * packed["median_step_sec"],
+            1e3 * packed["q1_step_sec"], 1e3 * packed["q3_step_sec"],
+            1e3 * unpacked["median_step_sec"], 1e3 * unpacked["q1_step_sec"],
+            1e3 * unpacked["q3_step_sec"], row["ratio"], low, high,
+            packed["tensors"], packed["expected_tensors"],
+            unpacked["tensors"], unpacked["expected_tensors"]))
+  lines += ["", "Other processes during the kept rounds: %s; rounds "
+            "repeated: %d." % (quiet.describe(
+                sweep["rounds"]["foreign_cores"]),
+                               sweep["rounds"]["repeated_rounds"]), ""]
+  return lines
+
+
 def _size(size: int) -> str:
   if size % 1024 == 0:
     return "%d KiB" % (size // 1024)
@@ -525,6 +564,7 @@ def markdown(results: Dict[str, object]) -> str:
                                  workload["rounds"]["repeated_rounds"]), ""]
     lines += traffic_markdown(workload)
   lines += packing_markdown(results)
+  lines += sweep_markdown(results)
   averaging = results.get("average_gradients")
   if averaging:
     unavailable = averaging.get("process_unavailable")

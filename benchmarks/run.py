@@ -23,7 +23,8 @@ CIFAR-10 CNNs on synthetic in-memory batches as
   gradients, the library's default);
 
 and a model of many small variables (200 x 4 KiB, little compute) as plain
-and those packed and unpacked rows only; then
+and those packed and unpacked rows only; then a sweep of packed against
+unpacked by the size of a gradient (`benchmarks.packing`); then
 `towers.average_gradients` alone against the original's on a large
 gradient set (time and peak memory), and the graph build time and op count
 of 1, 2, 4 and 8 towers. Every graph variant also counts the bytes and
@@ -59,6 +60,7 @@ from benchmarks import averaging
 from benchmarks import build_time
 from benchmarks import graphs
 from benchmarks import mirrored
+from benchmarks import packing
 from benchmarks import quiet
 from benchmarks import report
 from benchmarks import workloads
@@ -270,6 +272,26 @@ def throughput(workload: workloads.Workload, *, global_batch: int,
           "mirrored_planned": has_mirrored(workload.name)}
 
 
+def packing_sweep(*, sizes: Sequence[int], num_towers: int,
+                  global_batch: int, num_devices: int, max_variables: int,
+                  quiet_policy: Quiet, warmup: int, rounds: int,
+                  steps: int) -> Dict[str, object]:
+  """Times packed against unpacked steps by gradient size, interleaved."""
+  runners = packing.build(sizes=sizes, num_towers=num_towers,
+                          global_batch=global_batch, num_devices=num_devices,
+                          max_variables=max_variables)
+  logging.info("pack_bytes sweep: timing %d sizes at %d towers", len(sizes),
+               num_towers)
+  try:
+    times, rounds_info = interleave(runners, warmup=warmup, rounds=rounds,
+                                    steps=steps, quiet_policy=quiet_policy)
+  finally:
+    for runner in runners.values():
+      runner.close()
+  return packing.result(runners, times, num_towers=num_towers,
+                        global_batch=global_batch, rounds_info=rounds_info)
+
+
 def average_gradients_result(peaks: averaging.PeakMeasurements, *,
                              num_towers: int, num_vars: int, num_floats: int,
                              peak_tower_counts: Sequence[int],
@@ -311,6 +333,9 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         averaging_rounds: int, averaging_peak_towers: Sequence[int],
         build_workload: str,
         build_counts: Sequence[int], build_repeats: int, quick: bool,
+        packing_sizes: Sequence[int] = (), packing_towers: int = 4,
+        packing_batch: int = 16,
+        packing_max_variables: int = packing.MAX_VARIABLES,
         many_small_variables: int = workloads.MANY_SMALL_VARIABLES,
         mirrored_skipped: Optional[str] = None,
         max_foreign_cores: float = 0.25, quiet_wait_seconds: float = 0.0,
@@ -339,6 +364,11 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     quick: a quick run: recorded in the results, said in the tables and
       the chart, and no target gets a verdict (a few steps on tiny batches
       are not measurements).
+    packing_sizes: the gradient sizes (bytes) of the pack_bytes sweep
+      (`benchmarks.packing`); empty skips it.
+    packing_towers: its towers.
+    packing_batch: its global batch.
+    packing_max_variables: the most variables of one of its models.
     many_small_variables: the variables of the "many_small" workload
       (`workloads.MANY_SMALL_VARIABLES`; fewer in a quick run, whose graphs
       must build fast).
@@ -356,7 +386,8 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   """
   started = time.time()
   report.ensure_dir(out_dir)
-  num_devices = max(list(tower_counts) + [averaging_shape[0]])
+  num_devices = max(list(tower_counts) + [averaging_shape[0]]
+                    + ([packing_towers] if packing_sizes else []))
   results = {"quick": quick, "mirrored_skipped": mirrored_skipped,
              "machine": _machine(),
              "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -365,6 +396,10 @@ def run(*, out_dir: str, workload_names: Sequence[str],
                  "tower_counts": list(tower_counts),
                  "global_batches": dict(global_batches),
                  "many_small_variables": many_small_variables,
+                 "packing_sizes": list(packing_sizes),
+                 "packing_towers": packing_towers,
+                 "packing_batch": packing_batch,
+                 "packing_max_variables": packing_max_variables,
                  "warmup_steps": warmup, "rounds": rounds,
                  "untimed_steps_per_visit": 1,
                  "steps_per_round": steps, "num_devices": num_devices,
@@ -411,6 +446,12 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   finally:
     for worker in workers.values():
       worker.close()
+  if packing_sizes:
+    results["packing_sweep"] = packing_sweep(
+        sizes=packing_sizes, num_towers=packing_towers,
+        global_batch=packing_batch, num_devices=num_devices,
+        max_variables=packing_max_variables, quiet_policy=quiet_policy,
+        warmup=warmup, rounds=rounds, steps=steps)
   results["average_gradients"] = average_gradients_result(
       peaks, num_towers=averaging_shape[0], num_vars=averaging_shape[1],
       num_floats=averaging_shape[2], peak_tower_counts=peak_tower_counts,
@@ -466,7 +507,8 @@ def main(argv):
         steps=2, averaging_shape=[4, 4, 256 * 1024], averaging_rounds=2,
         averaging_peak_towers=[],
         build_workload="mnist", build_counts=[1, 2, 4], build_repeats=1,
-        quiet_wait_seconds=0)
+        packing_sizes=[1 * packing.KIB, 64 * packing.KIB], packing_towers=4,
+        packing_batch=8, packing_max_variables=8, quiet_wait_seconds=0)
   else:
     settings = dict(
         workload_names=FLAGS.workloads,
@@ -482,6 +524,9 @@ def main(argv):
         build_workload="cifar10",
         build_counts=[int(n) for n in FLAGS.build_towers],
         build_repeats=FLAGS.build_repeats,
+        packing_sizes=[int(k) * packing.KIB for k in FLAGS.packing_kib if k],
+        packing_towers=FLAGS.packing_towers,
+        packing_batch=FLAGS.packing_batch,
         quiet_wait_seconds=60 * FLAGS.quiet_wait_minutes)
   settings["max_foreign_cores"] = FLAGS.max_foreign_cores
   run(out_dir=default_out(FLAGS.out, FLAGS.quick), quick=FLAGS.quick,
@@ -520,6 +565,14 @@ def define_flags():
                        "compute per example, so the per-tensor cost of the "
                        "gradients' reduction shows, as it does for small "
                        "layers on a GPU.")
+  flags.DEFINE_list("packing_kib", ["1", "4", "16", "64", "256"], "Gradient "
+                    "sizes (KiB) of the pack_bytes sweep, packed against "
+                    "unpacked; empty skips it.")
+  flags.DEFINE_integer("packing_towers", 4, "Towers of the pack_bytes "
+                       "sweep.")
+  flags.DEFINE_integer("packing_batch", 16, "Global batch of the pack_bytes "
+                       "sweep: little compute, so that the reductions "
+                       "show.")
   flags.DEFINE_integer("warmup", 3, "Untimed steps per variant.")
   flags.DEFINE_integer("rounds", 10, "Interleaved rounds.")
   flags.DEFINE_integer("steps", 3, "Timed steps per variant per round.")

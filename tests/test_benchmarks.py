@@ -22,6 +22,7 @@ import tensorflow.compat.v1 as tf
 import towers
 from benchmarks import graphs
 from benchmarks import mirrored
+from benchmarks import packing
 from benchmarks import report
 from benchmarks import run
 from benchmarks import traffic
@@ -117,6 +118,18 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   assert small["replicated_collective_unpacked"]["collectives"] == (
       2 * variables)
 
+  # The sweep: packed against unpacked at 2 sizes, 4 towers, 8 variables.
+  sweep = results["packing_sweep"]
+  assert [r["size_bytes"] for r in sweep["rows"]] == [1024, 64 * 1024]
+  for row in sweep["rows"]:
+    assert row["num_variables"] == 8
+    assert row["ratio"] > 0
+    assert row["packed"]["pack_bytes"] == row["size_bytes"]
+    assert row["unpacked"]["pack_bytes"] == 0
+    # /cpu:0 sends the 8 variables to 3 towers, which send 1 pack each.
+    assert row["packed"]["tensors"] == 8 * 3 + 3
+    assert row["unpacked"]["tensors"] == 8 * 3 * 2
+
   assert moved[("independent", 2)]["busiest_bytes"] == 0
   assert moved[("towers", 2)]["busiest_bytes"] > 2 * size
   assert moved[("towers", 1)]["busiest_bytes"] == 0
@@ -152,7 +165,8 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
       done.stdout)
   assert "| many_small | replicated_collective | 2 |" in done.stdout
   assert "| mnist | towers | 2 |" in done.stdout
-
+  assert "### pack_bytes sweep: 4 towers" in done.stdout
+  assert "| 64 KiB | 8 |" in done.stdout
   assert "quick run: no verdicts" in done.stdout
   assert not VERDICT.search(done.stdout)
   table = (out / "results.md").read_text()
@@ -566,6 +580,37 @@ def _packing_workload(name, seconds, num_towers=4, sent_more=0):
           "rows": rows}
 
 
+def _sweep():
+  """A made-up pack_bytes sweep of 2 sizes."""
+  def side(seconds, pack_bytes, tensors):
+    return {"median_step_sec": seconds, "q1_step_sec": seconds,
+            "q3_step_sec": seconds, "step_seconds": [seconds] * 4,
+            "examples_per_sec": 16 / seconds, "pack_bytes": pack_bytes,
+            "tensors": tensors, "expected_tensors": tensors}
+  rows = []
+  for size, packed, unpacked in [(1024, 0.010, 0.020), (262144, 0.030,
+                                                        0.025)]:
+    count = packing.num_variables(size)
+    rows.append({"size_bytes": size, "num_variables": count,
+                 "parameter_bytes": count * size,
+                 "packed": side(packed, size, 3 * count + 3),
+                 "unpacked": side(unpacked, 0, 6 * count),
+                 "ratio": unpacked / packed,
+                 "ratio_interval": [unpacked / packed] * 2})
+  return {"num_towers": 4, "global_batch": 16, "variable_device": "cpu",
+          "rows": rows, "rounds": {"foreign_cores": [0.0],
+                                   "repeated_rounds": 0}}
+
+
+def test_the_sweep_keeps_the_parameter_bytes_about_constant():
+  assert [packing.num_variables(k * 1024) for k in (1, 4, 16, 64, 256)] == [
+      200, 200, 200, 64, 16]
+  assert packing.num_variables(4 << 20) == 8
+  assert packing.num_variables(1024, high=8) == 8
+  with pytest.raises(ValueError, match="multiples of 4"):
+    packing.build(sizes=[1022], num_towers=2, global_batch=4, num_devices=2)
+
+
 def test_many_small_is_200_variables_of_4_kib():
   workload = workloads.WORKLOADS["many_small"]
   assert workload.title == "Many small variables (200 x 1024 floats)"
@@ -596,6 +641,7 @@ def test_packing_rows_get_their_targets_and_a_section():
       "replicated_add_n": 0.090, "replicated_add_n_unpacked": 0.100,
       "replicated_collective": 0.050, "replicated_collective_unpacked": 0.200,
   }, sent_more=1))
+  results["packing_sweep"] = _sweep()
   report.add_targets(results)
   verdicts = {(t["scope"], t["target"]): t for t in results["targets"]}
 
@@ -630,15 +676,21 @@ def test_packing_rows_get_their_targets_and_a_section():
   assert ("| many_small | replicated_collective | 4 | 4.000x [4.000, 4.000] "
           "| cpu:0 12 (12) | 2400 (2400) | 24 (24) | 4800 (4800) | 4 (4) | "
           "800 (800) |") in table
+  assert "| 1 KiB | 200 | 0.20 | 10.0 [10.0, 10.0] | 20.0 [20.0, 20.0] |" in (
+      table)
+  assert "| 256 KiB | 16 | 4.00 |" in table
 
 
 def test_quick_packing_section_gives_no_verdicts():
   results = _results(quick=True)
   results["throughput"].append(_packing_workload("many_small", {
       "towers": 0.080, "towers_unpacked": 0.100}))
+  results["packing_sweep"] = _sweep()
   report.add_targets(results)
   assert results["targets"] == []
   table = report.markdown(results)
   assert "### Gradient packing: packed against pack_bytes=0 (quick run)" in (
       table)
+  assert "### pack_bytes sweep: 4 towers, variables on /cpu:0, global batch " \
+      "16 (quick run)" in table
   assert not VERDICT.search(table)
