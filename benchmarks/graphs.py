@@ -12,6 +12,7 @@ Each variant also counts, in one untimed step, the bytes and tensors that
 cross between its devices (`benchmarks.traffic`).
 """
 
+import inspect
 import time
 from typing import List, Optional
 
@@ -21,7 +22,6 @@ import tensorflow.compat.v1 as tf
 import towers
 # Only for the library's default pack_bytes, which the packed variants leave
 # in effect: the traffic they are expected to move follows from it.
-from towers import _packing
 from benchmarks import original
 from benchmarks import traffic
 from benchmarks import workloads
@@ -199,7 +199,10 @@ def pack_bytes_in_effect(variant: str,
   """
   if variant not in PACKING:
     return 0
-  return _packing.DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes
+  if pack_bytes is None:
+    # The library's default, read from its public signature.
+    return inspect.signature(towers.minimize).parameters["pack_bytes"].default
+  return pack_bytes
 
 
 def _bytes(var: tf.Variable) -> int:
