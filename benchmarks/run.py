@@ -272,6 +272,17 @@ def throughput(workload: workloads.Workload, *, global_batch: int,
           "mirrored_planned": has_mirrored(workload.name)}
 
 
+def _interleave_and_close(runners: Dict[object, object], **kwargs
+                         ) -> Tuple[Dict[object, List[float]],
+                                    Dict[str, object]]:
+  """`interleave`s `runners`, then closes them all, whatever happened."""
+  try:
+    return interleave(runners, **kwargs)
+  finally:
+    for runner in runners.values():
+      runner.close()
+
+
 def packing_sweep(*, sizes: Sequence[int], num_towers: int,
                   global_batch: int, num_devices: int, max_variables: int,
                   quiet_policy: Quiet, warmup: int, rounds: int,
@@ -282,12 +293,9 @@ def packing_sweep(*, sizes: Sequence[int], num_towers: int,
                           max_variables=max_variables)
   logging.info("pack_bytes sweep: timing %d sizes at %d towers", len(sizes),
                num_towers)
-  try:
-    times, rounds_info = interleave(runners, warmup=warmup, rounds=rounds,
-                                    steps=steps, quiet_policy=quiet_policy)
-  finally:
-    for runner in runners.values():
-      runner.close()
+  times, rounds_info = _interleave_and_close(
+      runners, warmup=warmup, rounds=rounds, steps=steps,
+      quiet_policy=quiet_policy)
   return packing.result(runners, times, num_towers=num_towers,
                         global_batch=global_batch, rounds_info=rounds_info)
 
@@ -303,12 +311,9 @@ def average_gradients_result(peaks: averaging.PeakMeasurements, *,
              for name in (averaging.OURS, averaging.ORIGINAL)}
   logging.info("average_gradients: timing %d towers x %d x %d floats",
                num_towers, num_vars, num_floats)
-  try:
-    times, rounds_info = interleave(runners, warmup=warmup, rounds=rounds,
-                                    steps=steps, quiet_policy=quiet_policy)
-  finally:
-    for runner in runners.values():
-      runner.close()
+  times, rounds_info = _interleave_and_close(
+      runners, warmup=warmup, rounds=rounds, steps=steps,
+      quiet_policy=quiet_policy)
   measured = peaks.results()
   result = {"num_towers": num_towers, "num_vars": num_vars,
             "num_floats": num_floats, "peaks_by_towers": [],
