@@ -20,8 +20,6 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import towers
-# Only for the library's default pack_bytes, which the packed variants leave
-# in effect: the traffic they are expected to move follows from it.
 from benchmarks import original
 from benchmarks import traffic
 from benchmarks import workloads

@@ -14,8 +14,6 @@ ratios, no verdicts: there is no target.
 
 from typing import Dict, Sequence, Tuple
 
-import numpy as np
-
 from benchmarks import graphs
 from benchmarks import report
 from benchmarks import workloads
@@ -83,12 +81,10 @@ def build(*, sizes: Sequence[int], num_towers: int, global_batch: int,
 
 def _side(step: graphs.GraphStep, seconds: Sequence[float],
           global_batch: int) -> Dict[str, object]:
-  q1, median, q3 = np.percentile(seconds, [25, 50, 75])
   moved = step.traffic
-  return {"median_step_sec": float(median), "q1_step_sec": float(q1),
-          "q3_step_sec": float(q3), "steps_timed": len(seconds),
-          "step_seconds": list(seconds),
-          "examples_per_sec": global_batch / float(median),
+  stats = report.step_stats(seconds)
+  return {**stats,
+          "examples_per_sec": global_batch / stats["median_step_sec"],
           "pack_bytes": step.pack_bytes, "num_ops": step.num_ops,
           "tensors": moved["tensors"],
           "expected_tensors": moved["expected_tensors"],

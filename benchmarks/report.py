@@ -2,7 +2,8 @@
 
 import json
 import os
-from typing import Dict, List, Optional, Tuple
+import statistics
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
 import numpy as np
@@ -64,6 +65,13 @@ MIB = float(1 << 20)
 QUICK_NOTE = ("Quick run (--quick): a few steps on tiny batches, to check that "
               "everything runs; these numbers are not measurements. quick "
               "run: no verdicts.")
+
+
+def step_stats(times: Sequence[float]) -> Dict[str, object]:
+  """Returns the median and quartiles of step times, and the times."""
+  q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
+  return {"median_step_sec": median, "q1_step_sec": q1, "q3_step_sec": q3,
+          "steps_timed": len(times), "step_seconds": list(times)}
 
 
 def _target(name: str, met: bool, detail: str) -> Dict[str, object]:

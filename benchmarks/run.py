@@ -46,7 +46,6 @@ import datetime
 import os
 import platform
 import random
-import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -76,12 +75,6 @@ PACKING_VARIANTS = (graphs.TOWERS, graphs.TOWERS_UNPACKED,
                     graphs.REPLICATED_ADD_N, graphs.REPLICATED_ADD_N_UNPACKED,
                     graphs.REPLICATED_COLLECTIVE,
                     graphs.REPLICATED_COLLECTIVE_UNPACKED)
-
-
-def _step_stats(times: Sequence[float]) -> Dict[str, object]:
-  q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
-  return {"median_step_sec": median, "q1_step_sec": q1, "q3_step_sec": q3,
-          "steps_timed": len(times), "step_seconds": list(times)}
 
 
 class Quiet:
@@ -259,7 +252,7 @@ def throughput(workload: workloads.Workload, *, global_batch: int,
     row = {"variant": variant, "num_towers": n,
            "num_ops": num_ops.get((variant, n)),
            "traffic": moved.get((variant, n))}
-    row.update(_step_stats(seconds))
+    row.update(report.step_stats(seconds))
     row["examples_per_sec"] = global_batch / row["median_step_sec"]
     rows.append(row)
   plain = next(r for r in rows if r["variant"] == graphs.PLAIN)
@@ -319,7 +312,7 @@ def average_gradients_result(peaks: averaging.PeakMeasurements, *,
             "num_floats": num_floats, "peaks_by_towers": [],
             "rounds": rounds_info}
   for name, seconds in times.items():
-    result[name] = _step_stats(seconds)
+    result[name] = report.step_stats(seconds)
     result[name].update(measured[(name, num_towers)])
     result[name]["temporary_bytes_per_variable"] = averaging.temporary_bytes(
         name, num_towers, num_floats)

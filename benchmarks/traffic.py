@@ -33,7 +33,8 @@ would copy.
 """
 
 import re
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import (Callable, Dict, Iterable, List, Optional, Sequence, Set,
+                    Tuple)
 
 import tensorflow.compat.v1 as tf
 
@@ -346,27 +347,18 @@ def tensors_through(fields: Dict[str, float]) -> int:
   return int(fields["sent_tensors"] + fields["received_tensors"])
 
 
-def busiest_in_tensors(devices: Dict[str, Dict[str, float]]
-                      ) -> Tuple[str, int]:
-  """Returns the device with the most tensors through it, and those.
+def busiest(devices: Dict[str, Dict[str, float]],
+            measure: Callable[[Dict[str, float]], float] = through
+           ) -> Tuple[str, float]:
+  """Returns the device with the most through it, and that amount.
 
-  Ties go to the first device by name.
+  `measure` says what is counted: bytes (`through`, the default) or
+  tensors (`tensors_through`). Ties go to the first device by name.
   """
   if not devices:
     return "-", 0
-  name = max(sorted(devices), key=lambda d: tensors_through(devices[d]))
-  return name, tensors_through(devices[name])
-
-
-def busiest(devices: Dict[str, Dict[str, float]]) -> Tuple[str, float]:
-  """Returns the device with the most bytes through it, and those bytes.
-
-  Ties go to the first device by name.
-  """
-  if not devices:
-    return "-", 0.0
-  name = max(sorted(devices), key=lambda d: through(devices[d]))
-  return name, through(devices[name])
+  name = max(sorted(devices), key=lambda d: measure(devices[d]))
+  return name, measure(devices[name])
 
 
 def summarize(measured: Dict[str, object],
@@ -396,12 +388,13 @@ def summarize(measured: Dict[str, object],
     row.update({"expected_" + k: v
                 for k, v in expectation.get(name, zero).items()})
     devices[name] = row
+  expected_devices = {d: {k: v["expected_" + k] for k in FIELDS}
+                      for d, v in devices.items()}
   device, measured_bytes = busiest(devices)
-  expected_device, expected_bytes = busiest(
-      {d: {k: v["expected_" + k] for k in FIELDS} for d, v in devices.items()})
-  tensor_device, measured_tensors = busiest_in_tensors(devices)
-  expected_tensor_device, expected_tensors = busiest_in_tensors(
-      {d: {k: v["expected_" + k] for k in FIELDS} for d, v in devices.items()})
+  expected_device, expected_bytes = busiest(expected_devices)
+  tensor_device, measured_tensors = busiest(devices, tensors_through)
+  expected_tensor_device, expected_tensors = busiest(expected_devices,
+                                                     tensors_through)
   collectives = measured["collectives"]
   return {
       "devices": devices, "parameter_bytes": parameter_bytes,
