@@ -58,11 +58,11 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
       one device (a collective group needs one member per device).
   """
   check_name(all_reduce)
-  canonical = [_canonical(d) for d in devices]
-  distinct = len(set(canonical)) == len(canonical)
+  spelled = [canonical(d) for d in devices]
+  distinct = len(set(spelled)) == len(spelled)
   if all_reduce == "auto":
     gpus = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
-               for d in canonical)
+               for d in spelled)
     return "collective" if gpus and distinct and len(devices) > 1 \
         else "add_n"
   if all_reduce == "collective" and not distinct:
@@ -74,7 +74,8 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
   return all_reduce
 
 
-def _canonical(device: str) -> str:
+def canonical(device: str) -> str:
+  """`device` with its type in capitals: one spelling per device."""
   spec = tf.DeviceSpec.from_string(device)
   return spec.replace(device_type=(spec.device_type or "").upper()).to_string()
 
@@ -158,26 +159,46 @@ def _chunk_sizes(flat: tf.Tensor, n: int):
 _KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def group_key(devices: Sequence[str]) -> int:
+  """The collective group key of `devices` in the default graph: one per
+  set of devices, whatever their order."""
+  groups, _ = _KEYS.setdefault(tf.get_default_graph(), ({}, [0]))
+  members = tuple(sorted(canonical(d) for d in devices))
+  return groups.setdefault(members, len(groups) + 1)
+
+
+def instance_key() -> int:
+  """A new collective instance key, unique in the default graph."""
+  _, instances = _KEYS.setdefault(tf.get_default_graph(), ({}, [0]))
+  instances[0] += 1
+  return instances[0]
+
+
+def member(tensor: tf.Tensor, group_size: int, group: int,
+           instance: int) -> tf.Tensor:
+  """One device's ``CollectiveReduceV2`` (sum) of a group, with the NCCL
+  hint; build it under that device. It returns only once every member of
+  the group has run: tie what reads it to all of them."""
+  return tf.raw_ops.CollectiveReduceV2(
+      input=tensor, group_size=group_size, group_key=group,
+      instance_key=instance, ordering_token=[], merge_op="Add",
+      final_op="Id", communication_hint="nccl")
+
+
 def _collective(tensors: Sequence[tf.Tensor], devices: Sequence[str],
                 launched: Dict[str, tf.Operation]) -> List[tf.Tensor]:
-  graph = tf.get_default_graph()
-  groups, instances = _KEYS.setdefault(graph, ({}, [0]))
-  members = tuple(sorted(_canonical(d) for d in devices))
-  group_key = groups.setdefault(members, len(groups) + 1)
-  instances[0] += 1
+  group = group_key(devices)
+  instance = instance_key()
   outputs = []
   for tensor, device in zip(tensors, devices):
-    previous = launched.get(_canonical(device))
+    previous = launched.get(canonical(device))
     with tf.device(device), tf.control_dependencies(
         [previous] if previous is not None else []):
-      outputs.append(tf.raw_ops.CollectiveReduceV2(
-          input=tensor, group_size=len(tensors), group_key=group_key,
-          instance_key=instances[0], ordering_token=[], merge_op="Add",
-          final_op="Id", communication_hint="nccl"))
-  group = [o.op for o in outputs]
+      outputs.append(member(tensor, len(tensors), group, instance))
+  ops = [o.op for o in outputs]
   tied = []
   for output, device in zip(outputs, devices):
-    launched[_canonical(device)] = output.op
-    with tf.device(device), tf.control_dependencies(group):
+    launched[canonical(device)] = output.op
+    with tf.device(device), tf.control_dependencies(ops):
       tied.append(tf.identity(output))
   return tied
