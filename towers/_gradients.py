@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
+from towers import _context
 from towers import _packing
 from towers import _replicas
 
@@ -135,8 +136,10 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
   with tf.name_scope("average_gradients"):
     barrier = _barrier(flat, list(control_inputs), list({
         id(v): v for tower in tower_grads for _, v in tower}.values()))
-    uniform = _is_uniform(weights)
-    launched: Dict[str, tf.Operation] = {}
+    uniform = is_uniform(weights)
+    # The all-reduce launches after the towers' own cross-tower sums on
+    # each device (one launch order per device: see _context).
+    launched = _context.launched_before(flat)
     for unit in _packing.group(keys):
       members = [positions[i] for i in unit]
       first = members[0]
@@ -390,7 +393,8 @@ def _check_weights(weights, num_towers: int) -> List[Weight]:
   return weights
 
 
-def _is_uniform(weights: Sequence[Weight]) -> bool:
+def is_uniform(weights: Sequence[Weight]) -> bool:
+  """Whether `weights` are Python numbers, all equal."""
   return all(isinstance(w, numbers.Real) for w in weights) and (
       max(weights) - min(weights) <= 1e-12)
 

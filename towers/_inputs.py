@@ -125,29 +125,37 @@ def _dynamic_sizes(tensors, num_shards, allow_empty):
 def batch_weights(batches: List[List[object]]) -> List[Weight]:
   """Returns each tower's share of the examples its callable input produced.
 
-  The batch size of a tower is axis 0 of the first tensor of rank >= 1 in its
-  batch. Equal static sizes give equal float shares; unknown sizes (a final
-  partial batch, say) give scalar tensors, so the mean stays exact.
+  The batch size of a tower is `batch_size`. Equal static sizes give equal
+  float shares; unknown sizes (a final partial batch, say) give scalar
+  tensors, so the mean stays exact.
   """
   num = len(batches)
-  sizes = []
-  for batch in batches:
-    first = next((t for t in tf.nest.flatten(batch)
-                  if isinstance(t, tf.Tensor) and t.shape.rank != 0), None)
-    if first is None:
-      return [1.0 / num] * num
-    sizes.append(first)
-  static = [tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
-            for t in sizes]
-  known = [s for s in static if s is not None]
-  if len(known) == num:
-    total = sum(known)
+  sizes = [batch_size(batch) for batch in batches]
+  if any(s is None for s in sizes):
+    return [1.0 / num] * num
+  static = [s for s in sizes if isinstance(s, float)]
+  if len(static) == num:
+    total = sum(static)
     if total == 0:
       return [1.0 / num] * num
-    return [s / total for s in known]
-  counts = [tf.cast(tf.shape(t)[0], tf.float32) for t in sizes]
+    return [s / total for s in static]
+  counts = [tf.cast(s, tf.float32) for s in sizes]
   total = tf.add_n(counts)
   return [c / total for c in counts]
+
+
+def batch_size(batch: List[object]) -> Optional[Weight]:
+  """Axis 0 of the first tensor of rank >= 1 in `batch`: a float when
+  static, else a scalar float32 tensor; None if it holds no such tensor."""
+  first = next((t for t in tf.nest.flatten(batch)
+                if isinstance(t, tf.Tensor) and t.shape.rank != 0), None)
+  if first is None:
+    return None
+  static = tf.compat.dimension_value(first.shape[0]) \
+      if first.shape.rank else None
+  if static is not None:
+    return float(static)
+  return tf.cast(tf.shape(first)[0], tf.float32)
 
 
 def tower_batch(inputs: Inputs, shards: Optional[List[object]],

@@ -7,7 +7,9 @@ from typing import Callable, List, Optional, Sequence
 import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
+from towers import _context
 from towers import _devices
+from towers import _gradients
 from towers import _inputs
 from towers import _isolation
 from towers import _placement
@@ -223,6 +225,8 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
     shards, weights = _inputs.split_inputs(inputs, num_towers,
                                            allow_empty=allow_empty)
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
+  group = _context.Group(devices, uniform=not callable(inputs) and (
+      weights is None or _gradients.is_uniform(weights)))
   results, scopes, batches = [], [], []
   # No auxiliary name scope: re-entering the caller's variable scope would
   # otherwise open its name scope again inside itself (model/model/tower_0).
@@ -234,19 +238,34 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
       with _placement.tower_placement(device, placer), copies, \
           tf.name_scope("%s_%d" % (tower_name, i)) as scope:
         batch = _inputs.tower_batch(inputs, shards, i)
-        results.append(tower_fn(i, scope, batch))
+        with group.tower(i, scope, _share(weights, i, batch, inputs)):
+          results.append(tower_fn(i, scope, batch))
         if i > 0 and len(trainable) > known:
           raise _unshared_variable_error(trainable[known], scope)
         # Later towers reuse tower 0's variables.
         tf.get_variable_scope().reuse_variables()
       scopes.append(scope)
       batches.append(batch)
+  group.check_complete()
   if weights is None:
     weights = _inputs.batch_weights(batches) if callable(inputs) else [
         1.0 / num_towers] * num_towers
   return Built(results=results, scopes=scopes, devices=devices,
                batches=batches,
                weights=weights)
+
+
+def _share(weights, index: int, batch, inputs) -> _context.Share:
+  """Tower `index`'s share of the global batch, for the gradient of its
+  cross-tower sums: its weight; for a callable input, its batch size (the
+  same factor from the weight in every tower); 1 where all weigh alike."""
+  if weights is not None:
+    return weights[index]
+  if callable(inputs):
+    size = _inputs.batch_size(batch)
+    if size is not None:
+      return size
+  return 1.0
 
 
 def _check_replicated(variable_device: _placement.VariableDevice,

@@ -1,0 +1,299 @@
+"""The tower context: what code inside a tower knows of the other towers.
+
+While `build_towers` (or `infer`) builds tower ``i``, `tower_context()`
+returns a `TowerContext`: the tower's index, the number of towers, their
+devices and a key unique to this set of towers. Its `TowerContext.all_sum`
+is a cross-tower sum built one tower at a time, the piece layers such as
+synchronized batch norm are made of. It guarantees:
+
+- Never a hang. A collective returns only once every tower's member has
+  run, so each tower's result waits for every member (control edges added to
+  the earlier towers' results as the later towers are built): fetching one
+  tower's result runs the whole group. Towers that build different sums are
+  an error when the towers are built, not a hang when they run.
+- One launch order. On each device the sums launch in the order they were
+  built, the same in every tower (NCCL deadlocks when two devices launch two
+  collectives in opposite orders); the gradients' own all-reduce launches
+  after them.
+- The global batch's gradient. Tower ``i``'s gradient of the sum is the sum
+  over towers of ``w_j * dy_j``, divided by ``w_i`` (``w`` the towers'
+  shares of the global batch, as `average_gradients` weights them): after
+  averaging, the gradient of the global batch's loss, uneven shards
+  included.
+"""
+
+import contextlib
+import numbers
+import weakref
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import tensorflow.compat.v1 as tf
+
+from towers import _allreduce
+
+Share = Union[float, tf.Tensor]
+
+# Per graph: the context of the tower being built, and every group.
+_CURRENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class TowerContext:
+  """The tower being built, as code inside `model_fn` sees it.
+
+  Attributes:
+    index: this tower's index, ``0 <= index < num_towers``.
+    num_towers: the number of towers.
+    devices: ``[num_towers]`` device strings the towers are built on.
+    key: an int unique to this set of towers in the graph (for names of
+      your own that must be the same in every tower and differ between two
+      `build_towers` calls).
+    scope: this tower's name scope, such as ``'tower_1/'``.
+  """
+
+  __slots__ = ("_group", "_index")
+
+  def __init__(self, group: "Group", index: int):
+    self._group = group
+    self._index = index
+
+  @property
+  def index(self) -> int:
+    return self._index
+
+  @property
+  def num_towers(self) -> int:
+    return len(self._group.devices)
+
+  @property
+  def devices(self) -> Tuple[str, ...]:
+    return tuple(self._group.devices)
+
+  @property
+  def key(self) -> int:
+    return self._group.key
+
+  @property
+  def scope(self) -> str:
+    return self._group.scopes[self._index]
+
+  def __repr__(self) -> str:
+    return "TowerContext(index=%d, num_towers=%d, key=%d)" % (
+        self.index, self.num_towers, self.key)
+
+  def all_sum(self, tensor, name: Optional[str] = None) -> tf.Tensor:
+    """Returns the sum of `tensor` over all towers, in this tower.
+
+    Every tower must call it, in the same order, with tensors of one dtype
+    and shape: the k-th call of each tower is one collective
+    (``CollectiveReduceV2`` with the NCCL hint: NCCL between GPUs, a ring
+    between CPUs), on this tower's device. With one tower it is an
+    identity. Its gradient is a cross-tower sum too, weighted by the towers'
+    shares of the global batch so that the averaged gradients are the
+    global batch's; build it inside the tower (as `build_towers` does with
+    ``opt.compute_gradients``).
+
+    Args:
+      tensor: a dense tensor (or what converts to one).
+      name: the name scope of the ops (default ``'all_sum'``).
+
+    Returns:
+      The sum, a tensor of `tensor`'s dtype and shape on this tower's
+      device; every tower gets the same values.
+
+    Raises:
+      ValueError: if this tower's call does not match the other towers'
+        (dtype or shape), the towers share a device (a collective has one
+        member per device), or it is called inside ``tf.cond``,
+        ``tf.while_loop`` or a ``tf.function`` body (its members could not be
+        tied to each other there).
+    """
+    with tf.name_scope(name, "all_sum"):
+      tensor = tf.convert_to_tensor(tensor)
+      if self.num_towers == 1:
+        return tf.identity(tensor)
+      return self._group.all_sum(self._index, tensor)
+
+
+def tower_context() -> Optional[TowerContext]:
+  """Returns the tower being built, or None outside `build_towers`.
+
+  Inside `model_fn` (and the gradients `build_towers` computes in each
+  tower), the `TowerContext` of the tower being built: layers that need the
+  other towers (`batch_normalization`) read it. None outside the towers,
+  such as in a single-device graph.
+  """
+  graph = tf.get_default_graph()
+  while graph is not None:
+    context = _CURRENT.get(graph)
+    if context is not None:
+      return context
+    # A tf.cond/tf.while_loop (v2) or tf.function body inside a tower.
+    graph = getattr(graph, "outer_graph", None)
+  return None
+
+
+class Group:
+  """The towers of one `build_towers` call and their cross-tower sums."""
+
+  def __init__(self, devices: Sequence[str], uniform: bool):
+    self.graph = tf.get_default_graph()
+    groups = _GROUPS.setdefault(self.graph, [])
+    groups.append(self)
+    self.key = len(groups)
+    self.devices = list(devices)
+    self.scopes: List[str] = [""] * len(devices)
+    # Each tower's share of the global batch (or a number proportional to
+    # it, the same factor in every tower); equal shares need no scaling.
+    self.shares: List[Share] = [1.0] * len(devices)
+    self.uniform = uniform
+    # The k-th sum of every tower: its instance key, dtype and shape, and
+    # each tower's member and result.
+    self._instances: List[int] = []
+    self._specs: List[Tuple[tf.DType, tf.TensorShape]] = []
+    self._members: List[Dict[int, tf.Operation]] = []
+    self._results: List[Dict[int, tf.Operation]] = []
+    self._calls = [0] * len(devices)
+    # The last member launched on each device.
+    self.launched: Dict[str, tf.Operation] = {}
+    # The names tower 0's layers took by default, in order, for the other
+    # towers' layers to take the same.
+    self.default_names: List[str] = []
+    self.named = [0] * len(devices)
+
+  @contextlib.contextmanager
+  def tower(self, index: int, scope: str, share: Share) -> Iterator[None]:
+    """Makes tower `index` the current tower while it is built."""
+    self.scopes[index] = scope
+    self.shares[index] = share
+    _CURRENT[self.graph] = TowerContext(self, index)
+    try:
+      yield
+    finally:
+      del _CURRENT[self.graph]
+
+  def check_complete(self) -> None:
+    """Raises if the towers built different numbers of cross-tower sums."""
+    if len(set(self._calls)) > 1:
+      most = max(range(len(self._calls)), key=self._calls.__getitem__)
+      fewest = min(range(len(self._calls)), key=self._calls.__getitem__)
+      raise ValueError(
+          "%s built %d cross-tower sums (a synchronized batch norm makes "
+          "one, and one more in the gradient) but %s built %d: every "
+          "tower must build the same layers, since a "
+          "cross-tower sum waits for every tower and one left out would "
+          "hang the others. Build the same model in every tower (not under "
+          "`if context.index == 0`)" % (
+              _tower(self.scopes[most], most), self._calls[most],
+              _tower(self.scopes[fewest], fewest), self._calls[fewest]))
+
+  def all_sum(self, index: int, tensor: tf.Tensor) -> tf.Tensor:
+    """Tower `index`'s member of its next cross-tower sum, differentiable."""
+    self._check_buildable(index)
+
+    @tf.custom_gradient
+    def summed(x):
+      def grad(dy):
+        return self._gradient(index, dy)
+      return self._sum(index, x), grad
+
+    return summed(tensor)
+
+  def _gradient(self, index: int, dy: tf.Tensor) -> tf.Tensor:
+    current = tower_context()
+    if current is None or current._group is not self or (  # pylint: disable=protected-access
+        current.index != index):
+      raise ValueError(
+          "the gradient of %s's cross-tower sum (a synchronized batch norm, "
+          "say) is being built outside that tower: its gradient is a "
+          "cross-tower sum too, which every tower must build inside its own "
+          "tower. Compute gradients with build_towers or minimize (they call "
+          "opt.compute_gradients in each tower), or inside model_fn, not "
+          "with tf.gradients on the towers' results afterwards"
+          % _tower(self.scopes[index], index))
+    self._check_buildable(index)
+    if self.uniform:
+      return self._sum(index, dy)
+    share = self.shares[index]
+    with tf.device(self.devices[index]):
+      weight = tf.constant(share, dy.dtype) if isinstance(
+          share, numbers.Real) else tf.cast(share, dy.dtype)
+      return tf.math.divide_no_nan(self._sum(index, dy * weight), weight)
+
+  def _check_buildable(self, index: int) -> None:
+    if tf.get_default_graph() is not self.graph or (
+        self.graph._get_control_flow_context() is not None):  # pylint: disable=protected-access
+      raise ValueError(
+          "a cross-tower sum (a synchronized batch norm, say) was built in "
+          "%s inside tf.cond, tf.while_loop or a tf.function: its members "
+          "in the towers must be tied to each other, which only works in "
+          "the towers' graph itself. Build the layer outside the loop or "
+          "condition (pass a boolean tensor as `training` rather than "
+          "calling it under tf.cond)" % _tower(self.scopes[index], index))
+    spelled = [_allreduce.canonical(d) for d in self.devices]
+    if len(set(spelled)) < len(spelled):
+      raise ValueError(
+          "cross-tower sums (synchronized batch norm) need a distinct device "
+          "per tower, since a collective has one member per device, but the "
+          "towers' devices are %s; give each tower its own device"
+          % ", ".join(self.devices))
+
+  def _sum(self, index: int, tensor: tf.Tensor) -> tf.Tensor:
+    """Builds tower `index`'s member of its next sum, tied to the group."""
+    k = self._calls[index]
+    self._calls[index] += 1
+    spec = (tensor.dtype.base_dtype, tensor.shape)
+    if k == len(self._instances):
+      self._instances.append(_allreduce.instance_key())
+      self._specs.append(spec)
+      self._members.append({})
+      self._results.append({})
+    elif spec[0] != self._specs[k][0] or not spec[1].is_compatible_with(
+        self._specs[k][1]):
+      raise ValueError(
+          "cross-tower sum %d of %s has dtype %s and shape %s, but the other "
+          "towers' have %s and %s: every tower must build the same layers "
+          "on inputs of the same shape" % (
+              k, _tower(self.scopes[index], index), spec[0].name, spec[1],
+              self._specs[k][0].name, self._specs[k][1]))
+    device = self.devices[index]
+    spelled = _allreduce.canonical(device)
+    previous = self.launched.get(spelled)
+    members = self._members[k]
+    with tf.device(device):
+      with tf.control_dependencies([previous] if previous is not None
+                                   else []):
+        output = _allreduce.member(tensor, len(self.devices),
+                                   _allreduce.group_key(self.devices),
+                                   self._instances[k])
+      members[index] = output.op
+      self.launched[spelled] = output.op
+      with tf.control_dependencies(list(members.values())):
+        result = tf.identity(output)
+    # The towers built before this one: their results wait for this member
+    # too (a control edge added to an op already built, as TensorFlow's own
+    # control flow does: there is no other way to reach a later tower).
+    for other in self._results[k].values():
+      other._add_control_input(output.op)  # pylint: disable=protected-access
+    self._results[k][index] = result.op
+    return result
+
+
+def launched_before(tensors: Sequence[object]) -> Dict[str, tf.Operation]:
+  """The last cross-tower sum on each device of the towers that built
+  `tensors` (gradients), for their all-reduce to launch after; empty if
+  they were not built in towers with cross-tower sums."""
+  groups = _GROUPS.get(tf.get_default_graph(), [])
+  for tensor in tensors:
+    name = getattr(getattr(tensor, "op", None), "name", None)
+    if name is None:
+      continue
+    for group in groups:
+      if group.launched and any(s and name.startswith(s)
+                                for s in group.scopes):
+        return dict(group.launched)
+  return {}
+
+
+def _tower(scope: str, index: int) -> str:
+  return scope.rstrip("/") or "tower %d" % index
