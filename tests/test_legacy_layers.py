@@ -64,3 +64,28 @@ def test_replicated_layers_with_batch_norm_equal_the_one_copy_mode(result):
   copied = {n.split("/", 1)[1] for n in result["replicated_copies"]}
   assert {"bn/gamma", "bn/beta", "conv/kernel", "dense/kernel"} <= copied
   assert not [n for n in copied if "moving" in n]
+
+
+def test_synchronized_batch_norm_is_a_drop_in_for_tf_layers(result):
+  """Same variables (names, shapes, order, trainable), updates, outputs,
+  gradients and moving averages as tf.layers on one device, fused kernel
+  (moving variance unbiased) or not."""
+  assert len(result["layer_cases"]) == 6
+  for case in result["layer_cases"]:
+    assert case["same_variables"], case
+    assert case["gap"] < 1e-5, case
+
+
+def test_checkpoints_interchange_with_tf_layers_models(result):
+  checkpoints = result["checkpoints"]
+  assert checkpoints["same_names"]
+  assert checkpoints["restored_gap"] == 0
+  assert checkpoints["back_gap"] == 0
+  # 2 synchronized towers restored from tf.layers: its loss, to rounding.
+  assert checkpoints["loss_gap"] < 1e-5
+
+
+def test_per_tower_tf_layers_differs_and_synchronized_does_not(result):
+  gaps = result["per_tower_gaps"]
+  assert gaps["tf_layers"] > 1e-2
+  assert gaps["synchronized"] < 1e-5

@@ -12,8 +12,9 @@ import towers
 
 def test_public_surface_is_pinned():
   assert sorted(towers.__all__) == [
-      "GradsAndVars", "Towers", "average_gradients", "build_towers",
-      "infer", "minimize", "tower_devices", "virtual_cpu_config"]
+      "GradsAndVars", "TowerContext", "Towers", "average_gradients",
+      "batch_normalization", "build_towers", "infer", "minimize",
+      "tower_context", "tower_devices", "virtual_cpu_config"]
   public = {name for name in vars(towers) if not name.startswith("_")}
   assert public == set(towers.__all__)
   assert isinstance(towers.__version__, str)

@@ -1,5 +1,8 @@
 """In-graph multi-GPU data parallelism for TensorFlow 1.x-style graphs."""
 
+from towers._batch_norm import batch_normalization
+from towers._context import tower_context
+from towers._context import TowerContext
 from towers._devices import tower_devices
 from towers._devices import virtual_cpu_config
 from towers._gradients import average_gradients
@@ -13,11 +16,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GradsAndVars",
+    "TowerContext",
     "Towers",
     "average_gradients",
+    "batch_normalization",
     "build_towers",
     "infer",
     "minimize",
+    "tower_context",
     "tower_devices",
     "virtual_cpu_config",
 ]

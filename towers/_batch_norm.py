@@ -1,0 +1,275 @@
+"""Synchronized batch norm: every tower normalizes with the global batch's
+statistics, so N towers train the model one device trains.
+
+Per-tower batch norm normalizes each shard with the shard's own mean and
+variance: with N towers that is a different model from one device's (the
+weights' gradient measured 0.2 off). Here the count, sum and sum of squares
+of each tower's shard go through one cross-tower sum (`TowerContext.all_sum`,
+whose gradient is a cross-tower sum too), so outputs, gradients and moving
+averages are those of one device on the whole batch, uneven shards included.
+
+Outside towers, with one tower, or with ``training=False``, it is the
+ordinary layer, with no collective. The variables are those of
+``tf.compat.v1.layers.batch_normalization`` (names, shapes, collections,
+initial values, the moving averages' update), so checkpoints interchange with
+``tf.layers`` models.
+"""
+
+from typing import List, Optional, Sequence, Union
+
+import tensorflow.compat.v1 as tf
+
+from towers import _context
+
+_DEFAULT_NAME = "batch_normalization"
+
+
+def batch_normalization(inputs,
+                        axis: Union[int, Sequence[int]] = -1,
+                        momentum: float = 0.99,
+                        epsilon: float = 1e-3,
+                        center: bool = True,
+                        scale: bool = True,
+                        beta_initializer=tf.zeros_initializer(),
+                        gamma_initializer=tf.ones_initializer(),
+                        moving_mean_initializer=tf.zeros_initializer(),
+                        moving_variance_initializer=tf.ones_initializer(),
+                        beta_regularizer=None,
+                        gamma_regularizer=None,
+                        beta_constraint=None,
+                        gamma_constraint=None,
+                        training=False,
+                        trainable: bool = True,
+                        name: Optional[str] = None,
+                        reuse=None,
+                        renorm: bool = False,
+                        renorm_clipping=None,
+                        renorm_momentum: float = 0.99,
+                        fused: Optional[bool] = None,
+                        virtual_batch_size: Optional[int] = None,
+                        adjustment=None) -> tf.Tensor:
+  """Batch norm over the global batch of all towers: a drop-in for
+  ``tf.compat.v1.layers.batch_normalization``.
+
+  Inside `build_towers` (or `minimize`) with ``training`` not False, the
+  mean and variance are those of the global batch: each tower's count, sum
+  and sum of squares over the non-`axis` dimensions are summed across the
+  towers (one collective per layer, NCCL on GPUs; see `TowerContext`), and
+  so is the gradient. Outputs, every gradient after averaging and the moving
+  averages then equal one device's on the whole batch. With ``training``
+  a boolean tensor the statistics are computed (and summed) whatever its
+  value, as ``tf.layers`` computes them, and selected by it. Outside towers,
+  with one tower, or with ``training=False`` it normalizes alone.
+
+  Like ``tf.layers``: the variables ``<name>/gamma``, ``beta``,
+  ``moving_mean`` and ``moving_variance`` (the last two not trainable),
+  default name ``batch_normalization``, ``_1``, ... (in later towers, the
+  name tower 0's layer took); the moving averages' updates are added to
+  ``tf.GraphKeys.UPDATE_OPS`` (`build_towers` runs tower 0's, which see the
+  global batch); the moving variance tracks the unbiased batch variance
+  where ``tf.layers`` would use its fused kernel (4-D or 5-D input, channels
+  on axis 1 or the last, float32 or narrower, `fused` not False) and the
+  biased one elsewhere, as ``tf.layers`` does. Float16 and bfloat16 inputs
+  are normalized in float32 with float32 variables. The statistics are a
+  single pass (sum and sum of squares, as every synchronized batch norm
+  computes them): inputs whose mean is far larger than their spread lose
+  digits there (normalize the input pixels first).
+
+  Args:
+    inputs: a tensor of known rank.
+    axis: the axis (or list of axes) of the features: the statistics are
+      taken over all the others.
+    momentum: the moving averages' momentum.
+    epsilon: added to the variance.
+    center: whether to add the offset ``beta``.
+    scale: whether to multiply by ``gamma``.
+    beta_initializer, gamma_initializer, moving_mean_initializer,
+    moving_variance_initializer: the variables' initializers.
+    beta_regularizer, gamma_regularizer: optional regularizers.
+    beta_constraint, gamma_constraint: optional constraints, applied by the
+      optimizer after each update.
+    training: a Python bool or a scalar boolean tensor: batch statistics
+      (True) or the moving averages (False).
+    trainable: whether ``gamma`` and ``beta`` are trainable.
+    name: the variable scope; None picks ``batch_normalization``, ...
+    reuse: whether to reuse the variables of a layer of the same name.
+    renorm, renorm_clipping, renorm_momentum, virtual_batch_size,
+    adjustment: ``tf.layers`` options not supported here: a ValueError
+      unless left at their defaults.
+    fused: ``tf.layers``' kernel choice. The statistics here are always
+      computed unfused (within rounding of the fused kernel); it decides only
+      which variance the moving variance tracks, as above.
+
+  Returns:
+    The normalized tensor, of the dtype and shape of `inputs`.
+
+  Raises:
+    ValueError: for an input of unknown rank or feature dimension, an axis
+      out of range, an unsupported option, or a cross-tower sum that cannot
+      be built (see `TowerContext.all_sum`).
+  """
+  unsupported = [(n, v) for n, v, default in [
+      ("renorm", renorm, False), ("renorm_clipping", renorm_clipping, None),
+      ("virtual_batch_size", virtual_batch_size, None),
+      ("adjustment", adjustment, None)] if v != default]
+  if renorm_momentum != 0.99:
+    unsupported.append(("renorm_momentum", renorm_momentum))
+  if unsupported:
+    raise ValueError(
+        "towers.batch_normalization does not support %s: batch "
+        "renormalization, virtual batches and adjustments change the "
+        "statistics that synchronization makes global; leave them at their "
+        "defaults, or use tf.compat.v1.layers.batch_normalization (per "
+        "tower)" % ", ".join("%s=%r" % pair for pair in unsupported))
+  inputs = tf.convert_to_tensor(inputs)
+  rank = inputs.shape.rank
+  if rank is None:
+    raise ValueError("expected inputs of known rank for batch normalization, "
+                     "got %s of unknown shape; set its shape" % inputs.name)
+  axes = _axes(axis, rank, inputs)
+  reduced = [i for i in range(rank) if i not in axes]
+  compute_dtype = tf.float32 if inputs.dtype.base_dtype in (
+      tf.float16, tf.bfloat16) else inputs.dtype.base_dtype
+  dims = [tf.compat.dimension_value(d) for d in inputs.shape]
+  shape = [dims[i] for i in axes] if len(axes) == 1 else [
+      dims[i] if i in axes else 1 for i in range(rank)]
+  # Broadcast against the input: one value per feature along `axes`.
+  broadcast = [dims[i] if i in axes else 1 for i in range(rank)]
+  context = _context.tower_context()
+  with _variable_scope(name, reuse, context):
+    gamma = tf.get_variable(
+        "gamma", shape, compute_dtype, initializer=gamma_initializer,
+        regularizer=gamma_regularizer, constraint=gamma_constraint,
+        trainable=trainable) if scale else None
+    beta = tf.get_variable(
+        "beta", shape, compute_dtype, initializer=beta_initializer,
+        regularizer=beta_regularizer, constraint=beta_constraint,
+        trainable=trainable) if center else None
+    moving_mean = tf.get_variable(
+        "moving_mean", shape, compute_dtype,
+        initializer=moving_mean_initializer, trainable=False)
+    moving_variance = tf.get_variable(
+        "moving_variance", shape, compute_dtype,
+        initializer=moving_variance_initializer, trainable=False)
+    x = tf.cast(inputs, compute_dtype)
+    learning = tf.get_static_value(training) if isinstance(
+        training, (tf.Tensor, tf.Variable)) else bool(training)
+    if learning is not None and not learning:
+      mean, variance = moving_mean, moving_variance
+    else:
+      mean, variance, count = _moments(x, reduced, context)
+      unbiased = fused is not False and _fusable(axes, rank, compute_dtype)
+      _add_updates(moving_mean, moving_variance, mean, variance, count,
+                   momentum, unbiased, None if learning else training)
+      if learning is None:
+        batch_mean, batch_variance = mean, variance
+        mean = tf.cond(training, lambda: batch_mean,
+                       lambda: tf.convert_to_tensor(moving_mean))
+        variance = tf.cond(training, lambda: batch_variance,
+                           lambda: tf.convert_to_tensor(moving_variance))
+    outputs = tf.nn.batch_normalization(
+        x, tf.reshape(mean, broadcast), tf.reshape(variance, broadcast),
+        None if beta is None else tf.reshape(beta, broadcast),
+        None if gamma is None else tf.reshape(gamma, broadcast), epsilon)
+    return tf.cast(outputs, inputs.dtype)
+
+
+def _axes(axis, rank: int, inputs: tf.Tensor) -> List[int]:
+  listed = list(axis) if isinstance(axis, (list, tuple)) else [axis]
+  if not listed or not all(isinstance(a, int) for a in listed):
+    raise ValueError("expected axis to be an int or a list of ints, got %r"
+                     % (axis,))
+  axes = sorted({a % rank for a in listed if -rank <= a < rank})
+  if len(axes) != len(listed):
+    raise ValueError("axis %r is out of range (or repeated) for %s of rank "
+                     "%d" % (axis, inputs.name, rank))
+  missing = [a for a in axes
+             if tf.compat.dimension_value(inputs.shape[a]) is None]
+  if missing:
+    raise ValueError("expected %s to have a known size on axis %s (the "
+                     "features), got shape %s"
+                     % (inputs.name, missing, inputs.shape))
+  return axes
+
+
+def _fusable(axes: List[int], rank: int, dtype: tf.DType) -> bool:
+  """Whether ``tf.layers`` would use its fused kernel (whose moving variance
+  tracks the unbiased batch variance)."""
+  return rank in (4, 5) and len(axes) == 1 and axes[0] in (
+      1, rank - 1) and dtype in (tf.float16, tf.bfloat16, tf.float32)
+
+
+class _variable_scope:  # pylint: disable=invalid-name
+  """The layer's variable scope: ``tf.layers``' default names in tower 0
+  (``batch_normalization``, ``_1``, ...), and the same ones, in the same
+  order, in the other towers (where the default names would count on)."""
+
+  def __init__(self, name, reuse, context):
+    self._name, self._reuse, self._context = name, reuse, context
+    self._scope = None
+
+  def __enter__(self) -> tf.VariableScope:
+    group = None if self._context is None else self._context._group  # pylint: disable=protected-access
+    index = 0 if self._context is None else self._context.index
+    name: Optional[str] = self._name
+    default: Optional[str] = _DEFAULT_NAME
+    if name is None and group is not None and index > 0:
+      k = group.named[index]
+      group.named[index] += 1
+      if k < len(group.default_names):
+        name, default = group.default_names[k], None
+    self._scope = tf.variable_scope(name, default_name=default,
+                                    reuse=self._reuse)
+    entered = self._scope.__enter__()
+    if self._name is None and group is not None and index == 0:
+      group.default_names.append(entered.name.rsplit("/", 1)[-1])
+    return entered
+
+  def __exit__(self, *exc):
+    return self._scope.__exit__(*exc)
+
+
+def _moments(x: tf.Tensor, reduced: List[int],
+             context: Optional[_context.TowerContext]):
+  """The batch mean and (biased) variance over `reduced`, and the count:
+  the global batch's inside towers."""
+  shape = tf.shape(x)
+  count = tf.cast(tf.reduce_prod(tf.gather(shape, reduced)), x.dtype)
+  if context is None or context.num_towers == 1:
+    mean, variance = tf.nn.moments(x, reduced, keepdims=True)
+    return mean, variance, count
+  with tf.name_scope("global_moments"):
+    total = tf.reduce_sum(x, reduced, keepdims=True)
+    squares = tf.reduce_sum(tf.square(x), reduced, keepdims=True)
+    size = tf.size(total)
+    stats = context.all_sum(tf.concat(
+        [tf.reshape(count, [1]), tf.reshape(total, [-1]),
+         tf.reshape(squares, [-1])], 0))
+    count = stats[0]
+    mean = tf.reshape(stats[1:1 + size], tf.shape(total)) / count
+    mean_of_squares = tf.reshape(stats[1 + size:], tf.shape(total)) / count
+    # Rounding can leave a variance of a constant feature slightly below 0.
+    variance = tf.maximum(mean_of_squares - tf.square(mean), 0.0)
+  return mean, variance, count
+
+
+def _add_updates(moving_mean, moving_variance, mean, variance, count,
+                 momentum: float, unbiased: bool, training) -> None:
+  """Adds the moving averages' updates to ``UPDATE_OPS``: ``moving -=
+  (moving - batch) * (1 - momentum)``, as ``tf.layers`` updates them; with a
+  training tensor, only when it is true."""
+  if unbiased:
+    # The fused kernel's batch variance: n / (n - 1) times the biased one.
+    variance = variance * (count / tf.maximum(count - 1.0, 1.0))
+  for var, value in ((moving_mean, mean), (moving_variance, variance)):
+    value = tf.reshape(value, var.shape)
+
+    def assign(var=var, value=value):
+      with tf.name_scope("AssignMovingAvg"), tf.colocate_with(var):
+        decay = tf.constant(1.0 - momentum, var.dtype.base_dtype)
+        delta = (tf.convert_to_tensor(var) - value) * decay
+        return tf.identity(tf.assign_sub(var, delta))
+
+    update = assign() if training is None else tf.cond(
+        training, assign, lambda var=var: tf.identity(var))
+    tf.add_to_collection(tf.GraphKeys.UPDATE_OPS, update)
