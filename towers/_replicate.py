@@ -73,6 +73,10 @@ def build_towers(model_fn: Callable[..., object],
   returning ``tf.losses.get_total_loss()`` unscoped would otherwise add the
   earlier towers' losses to each tower's, silently.
 
+  While tower ``i`` is built (`model_fn` and its gradients),
+  `tower_context()` returns its `TowerContext`, which cross-tower layers
+  (`batch_normalization`) read.
+
   It does not average or apply the gradients (use `average_gradients` and
   ``opt.apply_gradients``, or `minimize`), and it leaves the caller's
   variable scope as it found it, not reusing, so optimizer slots and
@@ -130,7 +134,8 @@ def build_towers(model_fn: Callable[..., object],
       `num_gpus` entries, a tower's loss is missing or not a scalar, a tower
       after the first creates a trainable variable (the towers would not
       share it), a tower's loss reads another tower's data, or the towers'
-      losses include different regularization losses.
+      losses include different regularization losses, or the towers built
+      different cross-tower sums (see `TowerContext.all_sum`).
   """
   num_gpus = _devices.check_count("num_gpus", num_gpus)
   if not callable(model_fn):
