@@ -154,11 +154,19 @@ def test_replicated_towers_equal_one_device_over_steps(all_reduce):
   assert_close(got, want, atol=2e-5)
 
 
-@pytest.mark.parametrize("variable_device", ["gpu", "balanced"])
+@pytest.mark.parametrize("variable_device", [
+    "gpu", "balanced", "/cpu:3", lambda op: "/cpu:2"], ids=[
+        "gpu", "balanced", "string", "function"])
 def test_one_copy_modes_equal_one_device_over_steps(variable_device):
   x, y = data(10)
   assert_close(on_towers(4, x, y, steps=3, variable_device=variable_device),
                one_device(x, y, steps=3), atol=2e-5)
+
+
+def test_gradients_colocated_with_their_ops_are_exact():
+  x, y = data(10)
+  assert_close(on_towers(3, x, y, colocate_gradients_with_ops=True),
+               one_device(x, y))
 
 
 def test_a_callable_input_of_uneven_dynamic_batches_is_exact():
