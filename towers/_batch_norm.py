@@ -136,7 +136,7 @@ def batch_normalization(inputs,
   # Broadcast against the input: one value per feature along `axes`.
   broadcast = [dims[i] if i in axes else 1 for i in range(rank)]
   context = _context.tower_context()
-  with _variable_scope(name, reuse, context):
+  with _context.layer_scope(name, _DEFAULT_NAME, reuse):
     gamma = tf.get_variable(
         "gamma", shape, compute_dtype, initializer=gamma_initializer,
         regularizer=gamma_regularizer, constraint=gamma_constraint,
@@ -197,36 +197,6 @@ def _fusable(axes: List[int], rank: int, dtype: tf.DType) -> bool:
   tracks the unbiased batch variance)."""
   return rank in (4, 5) and len(axes) == 1 and axes[0] in (
       1, rank - 1) and dtype in (tf.float16, tf.bfloat16, tf.float32)
-
-
-class _variable_scope:  # pylint: disable=invalid-name
-  """The layer's variable scope: ``tf.layers``' default names in tower 0
-  (``batch_normalization``, ``_1``, ...), and the same ones, in the same
-  order, in the other towers (where the default names would count on)."""
-
-  def __init__(self, name, reuse, context):
-    self._name, self._reuse, self._context = name, reuse, context
-    self._scope = None
-
-  def __enter__(self) -> tf.VariableScope:
-    group = None if self._context is None else self._context._group  # pylint: disable=protected-access
-    index = 0 if self._context is None else self._context.index
-    name: Optional[str] = self._name
-    default: Optional[str] = _DEFAULT_NAME
-    if name is None and group is not None and index > 0:
-      k = group.named[index]
-      group.named[index] += 1
-      if k < len(group.default_names):
-        name, default = group.default_names[k], None
-    self._scope = tf.variable_scope(name, default_name=default,
-                                    reuse=self._reuse)
-    entered = self._scope.__enter__()
-    if self._name is None and group is not None and index == 0:
-      group.default_names.append(entered.name.rsplit("/", 1)[-1])
-    return entered
-
-  def __exit__(self, *exc):
-    return self._scope.__exit__(*exc)
 
 
 def _moments(x: tf.Tensor, reduced: List[int],
