@@ -10,5 +10,7 @@ towers averaged the original tutorial's way, and with TF2's
 `towers.average_gradients` against the original's on a large gradient set;
 graph build time and op count against the number of towers; gradient
 packing against none, on a model of many small variables and by the size of
-a gradient. See docs/performance.md. Not part of the `towers` library.
+a gradient; synchronized batch norm (`towers.batch_normalization`) against
+per-tower ``tf.compat.v1.layers.batch_normalization``. See
+docs/performance.md. Not part of the `towers` library.
 """

@@ -524,6 +524,67 @@ def sweep_markdown(results: Dict[str, object]) -> List[str]:
   return lines
 
 
+def batch_norm_markdown(results: Dict[str, object]) -> List[str]:
+  """Returns the batch-norm comparison: synchronized against per-tower."""
+  section = results.get("batch_norm")
+  if not section:
+    return []
+  quick = results.get("quick")
+  channels = section["bn_channels"]
+  per_tower = section["per_tower"]
+  fallback = section.get("per_tower_reason")
+  lines = ["### Synchronized batch norm against per-tower: %s, global batch "
+           "%d%s" % (section["title"], section["global_batch"],
+                     " (quick run)" if quick else ""), "",
+           "The same model trained with towers.minimize (variables on "
+           "/cpu:0), its %d batch-norm layers (%s channels) either "
+           "towers.batch_normalization(training=True), which sums each "
+           "layer's count, sum and sum of squares (1 + 2C floats) across "
+           "the towers forward and again in the gradient, one collective op "
+           "per tower each time, or %s (per tower: each shard normalized "
+           "alone, nothing exchanged), timed in the same rounds. Step time "
+           "ratio: the synchronized median over the per-tower one (above 1: "
+           "what exactness costs), with its 95%% bootstrap interval. "
+           "Collectives: the collective ops of one step, measured from its "
+           "partition graphs (expected: 2 per layer per tower). Summed: the "
+           "bytes each device's collectives sum per step, measured "
+           "(expected from the layer shapes: 2 x sum(1 + 2C) x 4 bytes); a "
+           "ring sends 2(N-1)/N of them per device and receives as much "
+           "(NCCL between GPUs; between CPUs, TensorFlow's ring). No target."
+           % (len(channels), ", ".join(str(c) for c in channels),
+              per_tower), "",
+           "| towers | sync step ms (median [q1, q3]) | per-tower step ms "
+           "(median [q1, q3]) | sync / per-tower step time | ops, sync / "
+           "per-tower | collectives per step (expected) | bytes summed per "
+           "device per step (expected) | ring bytes sent per device per "
+           "step | per-tower layer |",
+           "|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+  for row in section["rows"]:
+    sync, alone, want = row["sync"], row["per_tower"], row["expected"]
+    low, high = row["ratio_interval"]
+    summed = sync["collective_bytes"].values()
+    lines.append(
+        "| %d | %.1f [%.1f, %.1f] | %.1f [%.1f, %.1f] | %.3fx [%.3f, %.3f] "
+        "| %d / %d | %d (%d) | %d (%d) | %.0f | %s |" % (
+            row["num_towers"], 1e3 * sync["median_step_sec"],
+            1e3 * sync["q1_step_sec"], 1e3 * sync["q3_step_sec"],
+            1e3 * alone["median_step_sec"], 1e3 * alone["q1_step_sec"],
+            1e3 * alone["q3_step_sec"], row["step_time_ratio"], low, high,
+            sync["num_ops"], alone["num_ops"], sync["collectives"],
+            want["collectives"], max(summed, default=0),
+            want["summed_bytes_per_device"], want["ring_bytes_per_device"],
+            per_tower + (" (fallback)" if fallback else "")))
+  lines.append("")
+  if fallback:
+    lines += ["Per-tower layer: %s; the per-tower rows use %s, the kernel "
+              "tf.layers runs for 4-D inputs, with tf.layers' variables and "
+              "moving-average updates." % (fallback, per_tower), ""]
+  lines += ["Other processes during the kept rounds: %s; rounds repeated: "
+            "%d." % (quiet.describe(section["rounds"]["foreign_cores"]),
+                     section["rounds"]["repeated_rounds"]), ""]
+  return lines
+
+
 def _size(size: int) -> str:
   if size % 1024 == 0:
     return "%d KiB" % (size // 1024)
@@ -635,6 +696,7 @@ def markdown(results: Dict[str, object]) -> str:
           inc["from_towers"], inc["to_towers"], inc["seconds_per_tower"],
           inc["ops_per_tower"]))
     lines += ["", _targets_line(results, build["targets"]), ""]
+  lines += batch_norm_markdown(results)
   return "\n".join(lines)
 
 
@@ -648,7 +710,8 @@ def chart(results: Dict[str, object], path: str) -> Optional[str]:
   """Draws examples/sec against towers, one line per variant.
 
   Returns:
-    `path`, or None when matplotlib is not installed (the ``bench`` extra).
+    `path`, or None when matplotlib is not installed (the ``bench`` extra)
+    or no model's throughput was timed.
   """
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
@@ -659,6 +722,9 @@ def chart(results: Dict[str, object], path: str) -> Optional[str]:
                  "no chart")
     return None
   workloads = results["throughput"]
+  if not workloads:
+    logging.info("no throughput rows to draw; no chart")
+    return None
   figure, axes = pyplot.subplots(1, len(workloads), squeeze=False,
                                  figsize=(5.0 * len(workloads), 3.6))
   styles = {graphs.TOWERS: "o-", graphs.BALANCED: "s--",

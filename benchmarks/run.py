@@ -26,36 +26,54 @@ and a model of many small variables (200 x 4 KiB, little compute) as plain
 and those packed and unpacked rows only; then a sweep of packed against
 unpacked by the size of a gradient (`benchmarks.packing`); then
 `towers.average_gradients` alone against the original's on a large
-gradient set (time and peak memory), and the graph build time and op count
-of 1, 2, 4 and 8 towers. Every graph variant also counts the bytes and
-tensors that cross between its devices in one untimed step, beside the
-figure its design predicts (`benchmarks.traffic`). Warm-up steps are not
-timed; variants are interleaved in rounds (each round runs a few steps of
-every variant, in a random order, after one untimed step) and the median
-step time over all rounds gives examples/sec. A round during which other
+gradient set (time and peak memory), the graph build time and op count
+of 1, 2, 4 and 8 towers, and last synchronized batch norm
+(`towers.batch_normalization`) against per-tower
+``tf.compat.v1.layers.batch_normalization`` on a small ResNet-ish CNN at 2
+and 4 towers (`benchmarks.batch_norm`). Every graph variant also counts the
+bytes and tensors that cross between its devices in one untimed step,
+beside the figure its design predicts (`benchmarks.traffic`). Warm-up steps
+are not timed; variants are interleaved in rounds (each round runs a few
+steps of every variant, in a random order, after one untimed step) and the
+median step time over all rounds gives examples/sec. A round during which other
 processes kept the machine busy is repeated once they are quiet (within
 --quiet_wait_minutes); the cores they used are recorded per round. Results
 go to ``--out``: results.json, results.md and examples_per_sec.png (when
 matplotlib, the ``bench`` extra, is installed).
 ``--quick`` runs a small version in under a minute, to check that everything
 runs: its results (in their own default directory) say they are a quick run,
-and it gives no verdicts on the targets. See docs/performance.md.
+and it gives no verdicts on the targets. A section given no sizes is skipped:
+``--workloads= --packing_kib= --averaging_shape= --build_towers=`` runs the
+batch-norm comparison alone, ``--batch_norm_towers=`` skips it. See
+docs/performance.md.
 """
 
 import datetime
+import importlib.util
 import os
 import platform
 import random
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from absl import app
+if __name__ == "__main__" and importlib.util.find_spec("tf_keras"):
+  # The batch-norm comparison's per-tower layer, tf.compat.v1.layers, comes
+  # from tf_keras on TensorFlow >= 2.16, and only if this is set before
+  # TensorFlow is imported. It changes which Keras TensorFlow imports (it
+  # imports one either way), not the other sections: their models are
+  # tf.get_variable and tf.nn, and their graphs serialize to the same bytes
+  # with it and without (docs/performance.md). The MirroredStrategy workers
+  # set it themselves.
+  os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from absl import logging
 import numpy as np
 import tensorflow.compat.v1 as tf
 
 from benchmarks import averaging
+from benchmarks import batch_norm
 from benchmarks import build_time
 from benchmarks import graphs
 from benchmarks import mirrored
@@ -293,6 +311,30 @@ def packing_sweep(*, sizes: Sequence[int], num_towers: int,
                         global_batch=global_batch, rounds_info=rounds_info)
 
 
+def batch_norm_comparison(*, tower_counts: Sequence[int], global_batch: int,
+                          num_devices: int, quiet_policy: Quiet, warmup: int,
+                          rounds: int, steps: int) -> Dict[str, object]:
+  """Times synchronized against per-tower batch norm, interleaved."""
+  started = time.time()
+  per_tower = batch_norm.per_tower_layer()
+  name, _, reason = per_tower
+  if reason:
+    logging.warning("%s: the per-tower rows use %s", reason, name)
+  runners = batch_norm.build(tower_counts=tower_counts,
+                             global_batch=global_batch,
+                             num_devices=num_devices, per_tower=per_tower)
+  logging.info("batch norm: timing synchronized against %s at %s towers",
+               name, list(tower_counts))
+  times, rounds_info = _interleave_and_close(
+      runners, warmup=warmup, rounds=rounds, steps=steps,
+      quiet_policy=quiet_policy)
+  result = batch_norm.result(runners, times, global_batch=global_batch,
+                             per_tower=name, per_tower_reason=reason,
+                             rounds_info=rounds_info)
+  result["seconds"] = time.time() - started
+  return result
+
+
 def average_gradients_result(peaks: averaging.PeakMeasurements, *,
                              num_towers: int, num_vars: int, num_floats: int,
                              peak_tower_counts: Sequence[int],
@@ -335,6 +377,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         packing_batch: int = 16,
         packing_max_variables: int = packing.MAX_VARIABLES,
         many_small_variables: int = workloads.MANY_SMALL_VARIABLES,
+        batch_norm_towers: Sequence[int] = (), batch_norm_batch: int = 128,
         mirrored_skipped: Optional[str] = None,
         max_foreign_cores: float = 0.25, quiet_wait_seconds: float = 0.0,
         chart: bool = True) -> Dict[str, object]:
@@ -352,12 +395,12 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     rounds: interleaved rounds.
     steps: timed steps per variant per round.
     averaging_shape: ``(towers, variables, floats per variable)`` of the
-      average_gradients benchmark.
+      average_gradients benchmark; empty skips it.
     averaging_rounds: its interleaved rounds (of `steps` steps).
     averaging_peak_towers: further tower counts at which its peak memory
       (not its time) is measured.
     build_workload: the model whose graph build is timed.
-    build_counts: the tower counts of the build benchmark.
+    build_counts: the tower counts of the build benchmark; empty skips it.
     build_repeats: builds per count.
     quick: a quick run: recorded in the results, said in the tables and
       the chart, and no target gets a verdict (a few steps on tiny batches
@@ -370,6 +413,10 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     many_small_variables: the variables of the "many_small" workload
       (`workloads.MANY_SMALL_VARIABLES`; fewer in a quick run, whose graphs
       must build fast).
+    batch_norm_towers: the tower counts at which synchronized batch norm is
+      timed against per-tower batch norm (`benchmarks.batch_norm`); empty
+      skips it.
+    batch_norm_batch: its global batch.
     mirrored_skipped: why the MirroredStrategy rows cannot run here
       (`mirrored.installed_unavailable_reason`), or None to run them.
     max_foreign_cores: other processes' cores above which a timed round
@@ -384,8 +431,9 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   """
   started = time.time()
   report.ensure_dir(out_dir)
-  num_devices = max(list(tower_counts) + [averaging_shape[0]]
-                    + ([packing_towers] if packing_sizes else []))
+  num_devices = max(list(tower_counts) + list(averaging_shape[:1])
+                    + list(batch_norm_towers)
+                    + ([packing_towers] if packing_sizes else []) + [1])
   results = {"quick": quick, "mirrored_skipped": mirrored_skipped,
              "machine": _machine(),
              "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -398,6 +446,8 @@ def run(*, out_dir: str, workload_names: Sequence[str],
                  "packing_towers": packing_towers,
                  "packing_batch": packing_batch,
                  "packing_max_variables": packing_max_variables,
+                 "batch_norm_towers": list(batch_norm_towers),
+                 "batch_norm_batch": batch_norm_batch,
                  "warmup_steps": warmup, "rounds": rounds,
                  "untimed_steps_per_visit": 1,
                  "steps_per_round": steps, "num_devices": num_devices,
@@ -419,8 +469,10 @@ def run(*, out_dir: str, workload_names: Sequence[str],
              if has_mirrored(name) and not mirrored_skipped}
   monitor = quiet.CpuMonitor(lambda: [w.pid for w in workers.values()])
   quiet_policy = Quiet(monitor, max_foreign_cores, quiet_wait_seconds)
-  peak_tower_counts = sorted(set(averaging_peak_towers)
-                             | {averaging_shape[0]})
+  peak_tower_counts = []
+  if averaging_shape:
+    peak_tower_counts = sorted(set(averaging_peak_towers)
+                               | {averaging_shape[0]})
   peaks = averaging.PeakMeasurements(
       [(name, n, averaging_shape[1], averaging_shape[2])
        for n in peak_tower_counts
@@ -450,23 +502,32 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         global_batch=packing_batch, num_devices=num_devices,
         max_variables=packing_max_variables, quiet_policy=quiet_policy,
         warmup=warmup, rounds=rounds, steps=steps)
-  results["average_gradients"] = average_gradients_result(
-      peaks, num_towers=averaging_shape[0], num_vars=averaging_shape[1],
-      num_floats=averaging_shape[2], peak_tower_counts=peak_tower_counts,
-      quiet_policy=quiet_policy, warmup=warmup, rounds=averaging_rounds,
-      steps=steps)
-  logging.info("Graph build: %s, %s towers", build_workload, build_counts)
-  if quiet_policy.wait_seconds > quiet_policy.waited:
-    quiet_policy.waited += monitor.wait_until_quiet(
-        max_foreign_cores, quiet_policy.wait_seconds - quiet_policy.waited)
-  monitor.start()
-  build = build_time.measure(workloads.WORKLOADS[build_workload],
-                             build_counts, build_repeats,
-                             global_batches.get(build_workload, 128))
-  build["foreign_cores"] = monitor.foreign_cores()
-  build["title"] = workloads.WORKLOADS[build_workload].title
+  if averaging_shape:
+    results["average_gradients"] = average_gradients_result(
+        peaks, num_towers=averaging_shape[0], num_vars=averaging_shape[1],
+        num_floats=averaging_shape[2], peak_tower_counts=peak_tower_counts,
+        quiet_policy=quiet_policy, warmup=warmup, rounds=averaging_rounds,
+        steps=steps)
+  if build_counts:
+    logging.info("Graph build: %s, %s towers", build_workload, build_counts)
+    if quiet_policy.wait_seconds > quiet_policy.waited:
+      quiet_policy.waited += monitor.wait_until_quiet(
+          max_foreign_cores, quiet_policy.wait_seconds - quiet_policy.waited)
+    monitor.start()
+    build = build_time.measure(workloads.WORKLOADS[build_workload],
+                               build_counts, build_repeats,
+                               global_batches.get(build_workload, 128))
+    build["foreign_cores"] = monitor.foreign_cores()
+    build["title"] = workloads.WORKLOADS[build_workload].title
+    results["build"] = build
+  # Last, so that the sections before it run as in earlier runs (the first
+  # tf.layers call also loads more of tf_keras).
+  if batch_norm_towers:
+    results["batch_norm"] = batch_norm_comparison(
+        tower_counts=batch_norm_towers, global_batch=batch_norm_batch,
+        num_devices=num_devices, quiet_policy=quiet_policy, warmup=warmup,
+        rounds=rounds, steps=steps)
   results["quiet_waited_seconds"] = quiet_policy.waited
-  results["build"] = build
   report.add_targets(results)
   results["load_average_end"] = load_average()
   results["seconds"] = time.time() - started
@@ -506,7 +567,8 @@ def main(argv):
         averaging_peak_towers=[],
         build_workload="mnist", build_counts=[1, 2, 4], build_repeats=1,
         packing_sizes=[1 * packing.KIB, 64 * packing.KIB], packing_towers=4,
-        packing_batch=8, packing_max_variables=8, quiet_wait_seconds=0)
+        packing_batch=8, packing_max_variables=8, batch_norm_towers=[2, 4],
+        batch_norm_batch=8, quiet_wait_seconds=0)
   else:
     settings = dict(
         workload_names=FLAGS.workloads,
@@ -515,16 +577,18 @@ def main(argv):
                         "cifar10": FLAGS.cifar10_batch,
                         "many_small": FLAGS.many_small_batch},
         warmup=FLAGS.warmup, rounds=FLAGS.rounds, steps=FLAGS.steps,
-        averaging_shape=[int(n) for n in FLAGS.averaging_shape],
+        averaging_shape=[int(n) for n in FLAGS.averaging_shape if n],
         averaging_rounds=FLAGS.averaging_rounds,
         averaging_peak_towers=[int(n) for n in FLAGS.averaging_peak_towers
                                if n],
         build_workload="cifar10",
-        build_counts=[int(n) for n in FLAGS.build_towers],
+        build_counts=[int(n) for n in FLAGS.build_towers if n],
         build_repeats=FLAGS.build_repeats,
         packing_sizes=[int(k) * packing.KIB for k in FLAGS.packing_kib if k],
         packing_towers=FLAGS.packing_towers,
         packing_batch=FLAGS.packing_batch,
+        batch_norm_towers=[int(n) for n in FLAGS.batch_norm_towers if n],
+        batch_norm_batch=FLAGS.batch_norm_batch,
         quiet_wait_seconds=60 * FLAGS.quiet_wait_minutes)
   settings["max_foreign_cores"] = FLAGS.max_foreign_cores
   run(out_dir=default_out(FLAGS.out, FLAGS.quick), quick=FLAGS.quick,
@@ -571,17 +635,24 @@ def define_flags():
   flags.DEFINE_integer("packing_batch", 16, "Global batch of the pack_bytes "
                        "sweep: little compute, so that the reductions "
                        "show.")
+  flags.DEFINE_list("batch_norm_towers", ["2", "4"], "Tower counts at "
+                    "which synchronized batch norm "
+                    "(towers.batch_normalization) is timed against "
+                    "per-tower tf.compat.v1.layers.batch_normalization on "
+                    "a small ResNet-ish CNN; empty skips it.")
+  flags.DEFINE_integer("batch_norm_batch", 128, "Global batch of the "
+                       "batch-norm comparison (32x32x3 images).")
   flags.DEFINE_integer("warmup", 3, "Untimed steps per variant.")
   flags.DEFINE_integer("rounds", 10, "Interleaved rounds.")
   flags.DEFINE_integer("steps", 3, "Timed steps per variant per round.")
   flags.DEFINE_list("averaging_shape", ["4", "8", str(4 * 1024 * 1024)],
                     "Towers, variables, floats per variable of the "
-                    "average_gradients benchmark.")
+                    "average_gradients benchmark; empty skips it.")
   flags.DEFINE_integer("averaging_rounds", 10, "Its interleaved rounds.")
   flags.DEFINE_list("averaging_peak_towers", ["2", "8"], "Further tower "
                     "counts at which only its peak memory is measured.")
   flags.DEFINE_list("build_towers", ["1", "2", "4", "8"], "Tower counts of "
-                    "the graph build benchmark.")
+                    "the graph build benchmark; empty skips it.")
   flags.DEFINE_integer("build_repeats", 5, "Builds per tower count.")
   flags.DEFINE_float("max_foreign_cores", 0.25, "A timed round during "
                      "which other processes kept more cores busy than this "

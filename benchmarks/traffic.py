@@ -116,8 +116,9 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
     and tensors (`FIELDS`); ``input`` and ``other``, the bytes and tensors
     sent in all of those kinds; ``control_edges``, the sends of control
     edges; ``collectives``, the collective ops counted from their algorithm;
-    ``unsized``, the names of sent tensors whose size is unknown (in no
-    other count).
+    ``collective_bytes``, device -> the bytes its collective ops sum (their
+    inputs); ``unsized``, the names of sent tensors whose size is unknown
+    (in no other count).
   """
   from_parameters = _downstream(v.op for v in parameters)
   from_inputs = _downstream(t.op for t in inputs)
@@ -130,7 +131,8 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
   devices: Dict[str, Dict[str, float]] = {}
   totals = {k: {"bytes": 0, "tensors": 0} for k in (INPUT, OTHER)}
   result = {"devices": devices, INPUT: totals[INPUT], OTHER: totals[OTHER],
-            "control_edges": 0, "collectives": 0, "unsized": []}
+            "control_edges": 0, "collectives": 0, "collective_bytes": {},
+            "unsized": []}
   for partition in partition_graphs:
     nodes = {node.name: node for node in partition.node}
     for node in partition.node:
@@ -181,11 +183,14 @@ def _count_collective(node, graph: tf.Graph, kind, devices, result) -> None:
     return
   n = int(group_size)
   result["collectives"] += 1
+  device = device_name(node.device)
+  summed = result["collective_bytes"]
+  summed[device] = summed.get(device, 0) + size
   if n < 2:
     return
   what = kind(op)
   if what == PARAMETERS:
-    _ring(devices, device_name(node.device), size, n)
+    _ring(devices, device, size, n)
   else:
     result[what]["bytes"] += 2.0 * (n - 1) / n * size
     result[what]["tensors"] += 2 * (n - 1)
@@ -415,7 +420,10 @@ def summarize(measured: Dict[str, object],
       "other_bytes": measured[OTHER]["bytes"],
       "other_tensors": measured[OTHER]["tensors"],
       "control_edges": measured["control_edges"],
-      "collectives": collectives, "unsized": list(measured["unsized"]),
+      "collectives": collectives,
+      "collective_bytes": dict(sorted(measured.get("collective_bytes",
+                                                   {}).items())),
+      "unsized": list(measured["unsized"]),
       "counted_from": ("partition graphs; collectives from their ring "
                        "algorithm" if collectives else "partition graphs")}
 

@@ -20,6 +20,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from benchmarks import batch_norm
 from benchmarks import graphs
 from benchmarks import mirrored
 from benchmarks import packing
@@ -118,6 +119,19 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   assert small["replicated_collective_unpacked"]["collectives"] == (
       2 * variables)
 
+  # Synchronized batch norm against per-tower at 2 and 4 towers: counts.
+  # run.py makes tf.compat.v1.layers available where tf_keras is installed.
+  bn = results["batch_norm"]
+  if importlib.util.find_spec("tf_keras") is not None:
+    assert bn["per_tower"] == batch_norm.LAYERS
+  assert (bn["per_tower_reason"] is None) == (
+      bn["per_tower"] == batch_norm.LAYERS)
+  _check_batch_norm_rows(bn, [2, 4])
+  for n, collectives, ring in [(2, 24, 2352), (4, 48, 3528)]:
+    assert re.search(r"^\| %d \| .* \| %d \(%d\) \| 2352 \(2352\) \| %d \| "
+                     % (n, collectives, collectives, ring), done.stdout,
+                     re.M), n
+
   # The sweep: packed against unpacked at 2 sizes, 4 towers, 8 variables.
   sweep = results["packing_sweep"]
   assert [r["size_bytes"] for r in sweep["rows"]] == [1024, 64 * 1024]
@@ -166,6 +180,8 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   assert "| many_small | replicated_collective | 2 |" in done.stdout
   assert "| mnist | towers | 2 |" in done.stdout
   assert "### pack_bytes sweep: 4 towers" in done.stdout
+  assert "### Synchronized batch norm against per-tower: ResNet-ish" in (
+      done.stdout)
   assert "| 64 KiB | 8 |" in done.stdout
   assert "quick run: no verdicts" in done.stdout
   assert not VERDICT.search(done.stdout)
@@ -694,3 +710,97 @@ def test_quick_packing_section_gives_no_verdicts():
   assert "### pack_bytes sweep: 4 towers, variables on /cpu:0, global batch " \
       "16 (quick run)" in table
   assert not VERDICT.search(table)
+
+
+# The benchmark's batch-norm CNN: 6 layers of 16, 16, 16, 32, 32 and 32
+# channels, each summing 1 + 2C floats forward and in the gradient:
+# 2 x (3 x 33 + 3 x 65) = 588 floats = 2352 bytes per device per step.
+BN_SUMMED_BYTES = 2352
+
+
+def _check_batch_norm_rows(section, tower_counts):
+  """Every row's counts, measured from one step, are the prediction's."""
+  assert [r["num_towers"] for r in section["rows"]] == tower_counts
+  for row in section["rows"]:
+    n, sync, alone = row["num_towers"], row["sync"], row["per_tower"]
+    assert row["expected"] == batch_norm.expected(n)
+    assert sync["collectives"] == row["expected"]["collectives"] == 12 * n
+    assert sync["collective_bytes"] == {
+        "cpu:%d" % i: BN_SUMMED_BYTES for i in range(n)}
+    assert alone["collectives"] == 0 and alone["collective_bytes"] == {}
+    assert sync["steps_timed"] > 0 and alone["steps_timed"] > 0
+    assert row["step_time_ratio"] == pytest.approx(
+        sync["median_step_sec"] / alone["median_step_sec"])
+
+
+def test_batch_norm_prediction_follows_the_layer_shapes():
+  with tf.Graph().as_default():
+    workload = batch_norm.model(batch_norm.sync_batch_norm, "bn", "BN")
+    images, labels = workloads.synthetic_batch(workload, 4)
+    loss = workload.loss_fn(tf.constant(images), tf.constant(labels))
+    assert loss.shape == []
+    gammas = [v for v in tf.trainable_variables()
+              if v.op.name.endswith("/gamma")]
+  assert [v.shape.as_list() for v in gammas] == [
+      [c] for c in batch_norm.BN_CHANNELS] == [[16]] * 3 + [[32]] * 3
+  assert batch_norm.expected(1) == {
+      "collectives": 0, "collectives_per_device": 0,
+      "summed_bytes_per_device": 0, "ring_bytes_per_device": 0.0}
+  assert batch_norm.expected(2) == {
+      "collectives": 24, "collectives_per_device": 12,
+      "summed_bytes_per_device": BN_SUMMED_BYTES,
+      "ring_bytes_per_device": BN_SUMMED_BYTES}
+  assert batch_norm.expected(4)["ring_bytes_per_device"] == (
+      1.5 * BN_SUMMED_BYTES)
+  assert batch_norm.expected(4, [3])["summed_bytes_per_device"] == 2 * 7 * 4
+
+
+def test_fused_fallback_normalizes_each_batch_alone_as_tf_layers_does():
+  x = np.random.RandomState(0).normal(2.0, 3.0, (4, 3, 3, 2)).astype(
+      np.float32)
+  with tf.Graph().as_default():
+    y = batch_norm.fused_batch_norm(tf.constant(x), "bn")
+    updates = tf.get_collection(tf.GraphKeys.UPDATE_OPS)
+    variables = {v.op.name: v for v in tf.global_variables()}
+    with tf.Session() as session:
+      session.run(tf.global_variables_initializer())
+      got, _ = session.run([y, updates])
+      values = session.run(variables)
+  assert sorted(values) == ["bn/beta", "bn/gamma", "bn/moving_mean",
+                            "bn/moving_variance"]
+  mean, variance = x.mean((0, 1, 2)), x.var((0, 1, 2))
+  np.testing.assert_allclose(
+      got, (x - mean) / np.sqrt(variance + batch_norm.EPSILON), atol=1e-4)
+  # tf.layers' update (momentum 0.99), with the kernel's unbiased variance
+  # (n = 36 values per channel).
+  np.testing.assert_allclose(values["bn/moving_mean"], 0.01 * mean,
+                             rtol=1e-4)
+  np.testing.assert_allclose(values["bn/moving_variance"],
+                             0.99 + 0.01 * variance * 36 / 35, rtol=1e-4)
+
+
+def test_the_batch_norm_comparison_runs_alone(tmp_path):
+  # Every other section skipped (empty sizes); in this process, which did
+  # not ask for tf_keras, the per-tower rows may use the fused fallback.
+  results = run.run(
+      out_dir=str(tmp_path), workload_names=[], tower_counts=[],
+      global_batches={}, warmup=1, rounds=2, steps=1, averaging_shape=[],
+      averaging_rounds=1, averaging_peak_towers=[], build_workload="mnist",
+      build_counts=[], build_repeats=1, quick=True, batch_norm_towers=[2],
+      batch_norm_batch=4)
+  assert set(results) >= {"throughput", "batch_norm"}
+  assert results["throughput"] == []
+  assert "average_gradients" not in results and "build" not in results
+  section = results["batch_norm"]
+  _check_batch_norm_rows(section, [2])
+  assert results["settings"]["num_devices"] == 2
+  table = (tmp_path / "results.md").read_text()
+  assert ("### Synchronized batch norm against per-tower: ResNet-ish CIFAR "
+          "CNN") in table
+  assert re.search(r"^\| 2 \| .* \| 24 \(24\) \| 2352 \(2352\) \| 2352 \| "
+                   r"%s" % re.escape(section["per_tower"]), table, re.M)
+  if section["per_tower_reason"]:
+    assert section["per_tower"] == batch_norm.FUSED
+    assert "tf.nn.fused_batch_norm (fallback) |" in table
+    assert "TF_USE_LEGACY_KERAS=1" in table
+  assert not (tmp_path / "examples_per_sec.png").exists()
