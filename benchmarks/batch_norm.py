@@ -215,10 +215,8 @@ def build(*, tower_counts: Sequence[int], global_batch: int, num_devices: int,
 def _side(step: graphs.GraphStep, seconds: Sequence[float],
           global_batch: int) -> Dict[str, object]:
   moved = step.traffic
-  stats = report.step_stats(seconds)
-  return {**stats,
-          "examples_per_sec": global_batch / stats["median_step_sec"],
-          "num_ops": step.num_ops, "collectives": moved["collectives"],
+  return {**report.timed_graph(seconds, global_batch, step.num_ops),
+          "collectives": moved["collectives"],
           "collective_bytes": moved["collective_bytes"]}
 
 

@@ -82,11 +82,8 @@ def build(*, sizes: Sequence[int], num_towers: int, global_batch: int,
 def _side(step: graphs.GraphStep, seconds: Sequence[float],
           global_batch: int) -> Dict[str, object]:
   moved = step.traffic
-  stats = report.step_stats(seconds)
-  return {**stats,
-          "examples_per_sec": global_batch / stats["median_step_sec"],
-          "pack_bytes": step.pack_bytes, "num_ops": step.num_ops,
-          "tensors": moved["tensors"],
+  return {**report.timed_graph(seconds, global_batch, step.num_ops),
+          "pack_bytes": step.pack_bytes, "tensors": moved["tensors"],
           "expected_tensors": moved["expected_tensors"],
           "busiest_tensors": moved["busiest_tensors"],
           "expected_busiest_tensors": moved["expected_busiest_tensors"]}

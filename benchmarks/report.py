@@ -74,6 +74,15 @@ def step_stats(times: Sequence[float]) -> Dict[str, object]:
           "steps_timed": len(times), "step_seconds": list(times)}
 
 
+def timed_graph(times: Sequence[float], global_batch: int,
+                num_ops: int) -> Dict[str, object]:
+  """`step_stats` of a graph's step times, with its examples/sec (the
+  global batch over the median step) and its op count."""
+  stats = step_stats(times)
+  return {**stats, "examples_per_sec": global_batch / stats["median_step_sec"],
+          "num_ops": num_ops}
+
+
 def _target(name: str, met: bool, detail: str) -> Dict[str, object]:
   return {"target": name, "met": bool(met), "detail": detail}
 
