@@ -122,15 +122,14 @@ def _dynamic_sizes(tensors, num_shards, allow_empty):
   return sizes, weights
 
 
-def batch_weights(batches: List[List[object]]) -> List[Weight]:
+def size_weights(sizes: List[Optional[Weight]]) -> List[Weight]:
   """Returns each tower's share of the examples its callable input produced.
 
-  The batch size of a tower is `batch_size`. Equal static sizes give equal
-  float shares; unknown sizes (a final partial batch, say) give scalar
-  tensors, so the mean stays exact.
+  `sizes` are the towers' `batch_size`s. Equal static sizes give equal float
+  shares; unknown sizes (a final partial batch, say) give scalar tensors, so
+  the mean stays exact; a batch without a size gives equal shares.
   """
-  num = len(batches)
-  sizes = [batch_size(batch) for batch in batches]
+  num = len(sizes)
   if any(s is None for s in sizes):
     return [1.0 / num] * num
   static = [s for s in sizes if isinstance(s, float)]

@@ -232,7 +232,7 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
   group = _context.Group(devices, uniform=not callable(inputs) and (
       weights is None or _gradients.is_uniform(weights)))
-  results, scopes, batches = [], [], []
+  results, scopes, batches, sizes = [], [], [], []
   # No auxiliary name scope: re-entering the caller's variable scope would
   # otherwise open its name scope again inside itself (model/model/tower_0).
   with tf.variable_scope(tf.get_variable_scope(), auxiliary_name_scope=False):
@@ -243,7 +243,14 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
       with _placement.tower_placement(device, placer), copies, \
           tf.name_scope("%s_%d" % (tower_name, i)) as scope:
         batch = _inputs.tower_batch(inputs, shards, i)
-        with group.tower(i, scope, _share(weights, i, batch, inputs)):
+        size = _inputs.batch_size(batch) if callable(inputs) else None
+        sizes.append(size)
+        # The tower's share of the global batch, for the gradient of its
+        # cross-tower sums: its weight, or for a callable input its batch
+        # size (the weight times the same factor in every tower).
+        share = weights[i] if weights is not None else (
+            1.0 if size is None else size)
+        with group.tower(i, scope, share):
           results.append(tower_fn(i, scope, batch))
         if i > 0 and len(trainable) > known:
           raise _unshared_variable_error(trainable[known], scope)
@@ -253,24 +260,11 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
       batches.append(batch)
   group.check_complete()
   if weights is None:
-    weights = _inputs.batch_weights(batches) if callable(inputs) else [
+    weights = _inputs.size_weights(sizes) if callable(inputs) else [
         1.0 / num_towers] * num_towers
   return Built(results=results, scopes=scopes, devices=devices,
                batches=batches,
                weights=weights)
-
-
-def _share(weights, index: int, batch, inputs) -> _context.Share:
-  """Tower `index`'s share of the global batch, for the gradient of its
-  cross-tower sums: its weight; for a callable input, its batch size (the
-  same factor from the weight in every tower); 1 where all weigh alike."""
-  if weights is not None:
-    return weights[index]
-  if callable(inputs):
-    size = _inputs.batch_size(batch)
-    if size is not None:
-      return size
-  return 1.0
 
 
 def _check_replicated(variable_device: _placement.VariableDevice,
