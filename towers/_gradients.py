@@ -137,9 +137,10 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
     barrier = _barrier(flat, list(control_inputs), list({
         id(v): v for tower in tower_grads for _, v in tower}.values()))
     uniform = is_uniform(weights)
-    # The all-reduce launches after the towers' own cross-tower sums on
-    # each device (one launch order per device: see _context).
-    launched = _context.launched_before(flat)
+    # A collective all-reduce launches after the towers' own cross-tower
+    # sums on each device (one launch order per device: see _context).
+    launched = _context.launched_before(flat) \
+        if algorithm == "collective" else {}
     for unit in _packing.group(keys):
       members = [positions[i] for i in unit]
       first = members[0]
