@@ -23,7 +23,8 @@ def test_public_surface_is_pinned():
 def test_towers_fields():
   assert towers.Towers._fields == (
       "losses", "loss", "tower_grads", "weights", "scopes", "devices",
-      "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce")
+      "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce",
+      "loss_scale")
 
 
 def test_import_has_no_side_effects():

@@ -13,11 +13,14 @@ from towers import _gradients
 from towers import _inputs
 from towers import _isolation
 from towers import _placement
+from towers import _precision
 from towers import _replicas
+from towers import _staging
 
 Towers = collections.namedtuple("Towers", [
     "losses", "loss", "tower_grads", "weights", "scopes", "devices",
-    "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce"])
+    "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce",
+    "loss_scale"])
 Towers.__doc__ = """What `build_towers` built.
 
 Fields:
@@ -41,6 +44,8 @@ Fields:
   all_reduce: the all-reduce algorithm replicated towers use (``"add_n"``,
     ``"ring"`` or ``"collective"``, ``"auto"`` resolved); None when the
     towers share one copy of each variable.
+  loss_scale: from `minimize` with loss scaling, the scale the step's losses
+    were multiplied by (a scalar float32 tensor, to log); else None.
 """
 
 
@@ -53,6 +58,8 @@ def build_towers(model_fn: Callable[..., object],
                  variable_device: _placement.VariableDevice = "cpu",
                  tower_name: str = "tower",
                  all_reduce: str = "auto",
+                 compute_dtype: _precision.ComputeDtype = None,
+                 stage_inputs: bool = False,
                  **compute_gradients_kwargs) -> Towers:
   """Builds one model replica per device and computes each one's gradients.
 
@@ -115,6 +122,24 @@ def build_towers(model_fn: Callable[..., object],
       ops), ``'collective'`` (``CollectiveReduceV2`` with the NCCL hint: NCCL
       on GPUs, a ring on CPUs) or ``'auto'`` (``'collective'`` when every
       tower is a distinct GPU, else ``'add_n'``).
+    compute_dtype: ``'float16'`` or ``'bfloat16'`` for mixed precision:
+      each trainable variable `model_fn` asks for in that dtype
+      (``tf.get_variable(..., dtype=tf.float16)``, or ``tf.compat.v1.layers``
+      on half inputs) is kept in float32 under its own name (the master
+      weight that is averaged, updated and saved) and handed to the model
+      cast to `compute_dtype` on the tower's device. None or ``'float32'``:
+      variables are made as asked. `model_fn` casts its inputs; float16
+      needs loss scaling (`minimize` does it, or pass a
+      ``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``).
+    stage_inputs: whether each tower's batches are read ahead and staged on
+      its device (a staging area per tower), so a step's input copies run
+      while the steps before it compute. A background queue runner reads
+      the inputs (split or callable; a callable is called tower after
+      tower): ``tf.train.MonitoredTrainingSession`` starts it, a plain
+      session needs ``tf.train.start_queue_runners``. Every batch is
+      trained once, in order; at the end of the data the step after the
+      last staged batch raises ``OutOfRangeError``. The weights come from
+      the staged batches' sizes.
     **compute_gradients_kwargs: passed to ``opt.compute_gradients``;
       ``gate_gradients`` defaults to ``GATE_NONE`` (0), since
       `average_gradients` is the synchronization point.
@@ -128,7 +153,9 @@ def build_towers(model_fn: Callable[..., object],
     TypeError: if `num_gpus` is not an integer, `model_fn` is not callable,
       `opt` has no ``compute_gradients``, `devices` holds a non-string, or a
       tower's loss is not a float tensor.
-    ValueError: if `num_gpus` is not positive, `all_reduce` is unknown or
+    ValueError: if `num_gpus` is not positive, `compute_dtype` is not a
+      float dtype of those above, `stage_inputs` is set without `inputs` or
+      with inputs fed by a placeholder, `all_reduce` is unknown or
       given for a one-copy mode, replicated towers get an optimizer that
       cannot apply per copy (``SyncReplicasOptimizer``), `devices` does not have
       `num_gpus` entries, a tower's loss is missing or not a scalar, a tower
@@ -176,7 +203,8 @@ def build_towers(model_fn: Callable[..., object],
     return loss, output, grads, update_ops, summaries
 
   built = run_towers(tower, num_gpus, inputs=inputs, devices=devices,
-                     variable_device=variable_device, tower_name=tower_name)
+                     variable_device=variable_device, tower_name=tower_name,
+                     compute_dtype=compute_dtype, stage_inputs=stage_inputs)
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
   _isolation.check_losses(losses, built.scopes, built.batches)
   with tf.name_scope("%s_loss" % tower_name):
@@ -187,7 +215,8 @@ def build_towers(model_fn: Callable[..., object],
                 scopes=built.scopes, devices=built.devices,
                 summaries=summaries[-1], update_ops=update_ops[0],
                 outputs=list(outputs), grads_and_vars=None,
-                all_reduce=all_reduce if replicated else None)
+                all_reduce=all_reduce if replicated else None,
+                loss_scale=None)
 
 
 Built = collections.namedtuple("Built", [
@@ -198,7 +227,9 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
                num_towers: int, *, inputs: _inputs.Inputs,
                devices: Optional[Sequence[str]],
                variable_device: _placement.VariableDevice,
-               tower_name: str, allow_empty: bool = False) -> Built:
+               tower_name: str, allow_empty: bool = False,
+               compute_dtype: _precision.ComputeDtype = None,
+               stage_inputs: bool = False) -> Built:
   """Calls ``tower_fn(index, scope, batch)`` once in each tower.
 
   The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
@@ -206,6 +237,10 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
   the caller's variable scope, reusing tower 0's variables; `batch` is the
   list of arguments its model function takes after the scope. The caller's
   name scope is kept as it is (``model/tower_0/``, not ``model/model/``).
+
+  With `compute_dtype`, `tower_fn` runs under `_precision.master_weights`;
+  with `stage_inputs`, every tower's batch is read first, tower after tower,
+  and the towers are built on the staged batches (`_staging.stage`).
 
   Returns:
     A `Built`: ``[num_towers]`` results of `tower_fn`, the scopes, the
@@ -223,16 +258,27 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
         "tf.compat.v1.disable_v2_behavior()) at the start of your program, "
         "or build inside `with tf.Graph().as_default():`")
   devices = _check_devices(devices, num_towers)
+  compute_dtype = _precision.check_compute_dtype(compute_dtype)
+  if stage_inputs and inputs is None:
+    raise ValueError("stage_inputs=True stages the towers' inputs, but "
+                     "inputs is None (model_fn reads its own); pass inputs "
+                     "(a batch or a callable such as iterator.get_next)")
   placer = _placement.variable_placer(variable_device, devices)
   replicated = variable_device == _placement.REPLICATED
   shards, weights = None, None
   if inputs is not None and not callable(inputs):
     shards, weights = _inputs.split_inputs(inputs, num_towers,
                                            allow_empty=allow_empty)
+  # A staged batch is sized from what was staged, as a callable's is.
+  sized = callable(inputs) or stage_inputs
+  scopes, staged = [], None
+  if stage_inputs:
+    scopes, staged = _read_staged(inputs, shards, devices, placer, tower_name)
+    weights = None
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
-  group = _context.Group(devices, uniform=not callable(inputs) and (
+  group = _context.Group(devices, uniform=not sized and (
       weights is None or _gradients.is_uniform(weights)))
-  results, scopes, batches, sizes = [], [], [], []
+  results, batches, sizes = [], [], []
   # No auxiliary name scope: re-entering the caller's variable scope would
   # otherwise open its name scope again inside itself (model/model/tower_0).
   with tf.variable_scope(tf.get_variable_scope(), auxiliary_name_scope=False):
@@ -240,31 +286,57 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
       known = len(trainable)
       copies = _replicas.tower_copies(i, device) if replicated \
           else contextlib.nullcontext()
+      name = scopes[i] if staged else "%s_%d" % (tower_name, i)
       with _placement.tower_placement(device, placer), copies, \
-          tf.name_scope("%s_%d" % (tower_name, i)) as scope:
-        batch = _inputs.tower_batch(inputs, shards, i)
-        size = _inputs.batch_size(batch) if callable(inputs) else None
+          tf.name_scope(name) as scope:
+        batch = staged[i] if staged else _inputs.tower_batch(inputs, shards, i)
+        size = _inputs.batch_size(batch) if sized else None
         sizes.append(size)
         # The tower's share of the global batch, for the gradient of its
         # cross-tower sums: its weight, or for a callable input its batch
         # size (the weight times the same factor in every tower).
         share = weights[i] if weights is not None else (
             1.0 if size is None else size)
-        with group.tower(i, scope, share):
+        with group.tower(i, scope, share), \
+            _precision.master_weights(compute_dtype):
           results.append(tower_fn(i, scope, batch))
         if i > 0 and len(trainable) > known:
           raise _unshared_variable_error(trainable[known], scope)
         # Later towers reuse tower 0's variables.
         tf.get_variable_scope().reuse_variables()
-      scopes.append(scope)
+      if not staged:
+        scopes.append(scope)
       batches.append(batch)
   group.check_complete()
   if weights is None:
-    weights = _inputs.size_weights(sizes) if callable(inputs) else [
+    weights = _inputs.size_weights(sizes) if sized else [
         1.0 / num_towers] * num_towers
   return Built(results=results, scopes=scopes, devices=devices,
                batches=batches,
                weights=weights)
+
+
+def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
+                 devices: List[str], placer: _placement.DeviceFn,
+                 tower_name: str):
+  """Reads every tower's batch in its scope, in tower order, and stages it.
+
+  Returns the towers' name scopes (the towers are built in them afterwards)
+  and their staged batches.
+  """
+  scopes: List[str] = []
+  batches: List[List[object]] = []
+  previous: List[tf.Tensor] = []
+  for i, device in enumerate(devices):
+    # A callable is read tower after tower, so tower i gets the i-th batch.
+    with _placement.tower_placement(device, placer), \
+        tf.name_scope("%s_%d" % (tower_name, i)) as scope, \
+        tf.control_dependencies(previous):
+      batch = _inputs.tower_batch(inputs, shards, i)
+    previous = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
+    scopes.append(scope)
+    batches.append(batch)
+  return scopes, _staging.stage(batches, devices, scopes)
 
 
 def _check_replicated(variable_device: _placement.VariableDevice,

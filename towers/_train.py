@@ -5,7 +5,9 @@ from typing import Callable, Optional, Tuple
 import tensorflow.compat.v1 as tf
 
 from towers import _gradients
+from towers import _loss_scale
 from towers import _packing
+from towers import _precision
 from towers import _replicas
 from towers import _replicate
 
@@ -18,6 +20,7 @@ def minimize(model_fn: Callable[..., object],
              clip_norm: Optional[float] = None,
              average_device: Optional[str] = None,
              pack_bytes: int = _packing.DEFAULT_PACK_BYTES,
+             loss_scale: _loss_scale.LossScaleSpec = None,
              **build_towers_kwargs) -> Tuple[tf.Operation, _replicate.Towers]:
   """Builds the towers and one synchronous training step over all of them.
 
@@ -41,10 +44,24 @@ def minimize(model_fn: Callable[..., object],
       towers' gradients are reduced (default: next to each variable). On a
       worker whose variables live on parameter servers, the worker's own
       device keeps the towers' average local.
+    loss_scale: ``'dynamic'``, a positive number, or None: the default,
+      ``'dynamic'`` when ``compute_dtype='float16'`` (unless `opt` is a
+      ``MixedPrecisionLossScaleOptimizer``, which scales already) and no
+      scaling otherwise. Each tower's loss is multiplied by the scale
+      before its gradients; the averaged gradients are divided by it once,
+      on each copy's device, and checked finite there; a step whose
+      gradients are not all finite applies nothing (no variable, copy,
+      slot or `global_step` changes, so learning-rate schedules keyed on
+      the global step pause with it). ``'dynamic'`` starts at 2**15,
+      halves after such a step and doubles after 2000 finite steps in a
+      row; the scale is a saved variable (``loss_scale``). A number is a
+      fixed scale, still skipping non-finite steps (1 only skips them).
+      The scale is returned in ``towers.loss_scale``.
     **build_towers_kwargs: passed to `build_towers` (``inputs``,
-      ``devices``, ``variable_device``, ``all_reduce``, ``compute_gradients``
-      arguments). Replicated towers (``variable_device='replicated'``)
-      are all-reduced with their ``all_reduce``; the one ``apply_gradients``
+      ``devices``, ``variable_device``, ``all_reduce``, ``compute_dtype``,
+      ``stage_inputs``, ``compute_gradients`` arguments). Replicated
+      towers (``variable_device='replicated'``) are all-reduced with their
+      ``all_reduce``; the one ``apply_gradients``
       updates every copy, and the copies' optimizer slots, like the copies,
       are local variables set from copy 0's by the local init op.
 
@@ -53,15 +70,22 @@ def minimize(model_fn: Callable[..., object],
     ``towers.grads_and_vars`` set to the averaged gradients it applied.
 
   Raises:
-    ValueError: if `clip_norm` is not positive, or as `build_towers` and
+    ValueError: if `clip_norm` is not positive, `loss_scale` is neither
+      ``'dynamic'`` nor a positive number, is given with a loss-scale
+      optimizer or with ``SyncReplicasOptimizer``, or as `build_towers` and
       `average_gradients` do; also if no variable has a gradient.
     TypeError: as `build_towers` and `average_gradients` do.
   """
   if clip_norm is not None and not clip_norm > 0:
     raise ValueError("expected clip_norm to be a positive number or None, got "
                      "%r" % (clip_norm,))
-  towers = _replicate.build_towers(model_fn, opt, num_gpus,
-                                   **build_towers_kwargs)
+  loss_scale = _loss_scale.check(
+      loss_scale, opt, _precision.check_compute_dtype(
+          build_towers_kwargs.get("compute_dtype")))
+  scale = None if loss_scale is None else _loss_scale.LossScale(loss_scale)
+  towers = _replicate.build_towers(
+      model_fn, opt if scale is None else _loss_scale.ScaledGradients(
+          opt, scale), num_gpus, **build_towers_kwargs)
   # The update ops and the losses join the averaging barrier rather than
   # wrapping apply_gradients in control_dependencies: optimizers such as
   # SyncReplicasOptimizer build queues inside apply_gradients, and a queue
@@ -75,14 +99,22 @@ def minimize(model_fn: Callable[..., object],
     raise ValueError(
         "no variable has a gradient: none of %s reaches the towers' loss"
         % ", ".join(v.name for _, v in groups[0]))
+  if scale is not None:
+    groups, finite = scale.unscale(groups)
   if clip_norm is not None:
     groups = _clip_per_copy(groups, clip_norm)
-  # One apply for every copy: optimizers with state of their own (Adam's
-  # beta powers, the global step) advance once per step, not once per copy.
-  with _replicas.local_slots():
-    train_op = opt.apply_gradients([p for group in groups for p in group],
-                                   global_step=global_step)
-  return train_op, towers._replace(grads_and_vars=groups[0])
+
+  def apply() -> tf.Operation:
+    # One apply for every copy: optimizers with state of their own (Adam's
+    # beta powers, the global step) advance once per step, not per copy.
+    with _replicas.local_slots():
+      return opt.apply_gradients([p for group in groups for p in group],
+                                 global_step=global_step)
+
+  train_op = apply() if scale is None else scale.apply(finite, apply)
+  return train_op, towers._replace(
+      grads_and_vars=groups[0],
+      loss_scale=None if scale is None else scale.value)
 
 
 def _clip_per_copy(groups, clip_norm: float):
