@@ -158,3 +158,13 @@ def test_staging_a_callable_that_returns_a_number_is_refused():
                           tf.train.GradientDescentOptimizer(0.1), 2,
                           inputs=lambda: 3, devices=models.devices(2),
                           stage_inputs=True)
+
+
+def test_a_step_cut_short_by_the_end_of_the_data_stages_nothing():
+  # 5 batches for 2 towers: the third step has tower 0's batch only.
+  with tf.Graph().as_default():
+    train_op, t, global_step = build(tf.data.Dataset.range(10).batch(2),
+                                     split=False)
+    steps = train_to_the_end(train_op, t, global_step)
+  seen = [x for _, towers_seen, _, _ in steps for s in towers_seen for x in s]
+  assert seen == list(range(8))

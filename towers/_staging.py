@@ -15,7 +15,9 @@ last one fails with ``OutOfRangeError`` at its dequeue, before it reads any
 area or changes any variable, as an unstaged step fails at the end of its
 input. Nothing staged is dropped, no step waits on an area that will never
 be filled, and stopping early cancels the reader's pending enqueue, as for
-any queue runner. Staging areas have no capacity of their own: the token
+any queue runner. A callable input that ends after some towers have read
+their batch of a step stages none of that step: as unstaged, a step needs a
+batch in every tower. Staging areas have no capacity of their own: the token
 queue's `CAPACITY` bounds them (a device holds at most ``CAPACITY + 1``
 batches ahead of the one being trained).
 """
@@ -55,8 +57,12 @@ def stage(batches: Sequence[List[object]], devices: Sequence[str],
   with tf.name_scope("staging") as staging, tf.device(host):
     tokens = tf.FIFOQueue(CAPACITY, [tf.int32], shapes=[[]], name="tokens")
   puts = []
+  everything = [t for tensors in flat for t in tensors]
   for i, (device, scope, tensors) in enumerate(zip(devices, scopes, flat)):
-    with tf.device(device), tf.name_scope(scope), tf.name_scope("stage"):
+    # A tower stages only once every tower has its batch: an input that
+    # ends within a step leaves every area as it was.
+    with tf.device(device), tf.name_scope(scope), tf.name_scope("stage"), \
+        tf.control_dependencies(everything):
       puts.append(tf.raw_ops.Stage(values=tensors,
                                    shared_name=_area(tokens, i)))
   with tf.name_scope(staging), tf.device(host):
