@@ -258,3 +258,36 @@ def test_float32_variables_requested_by_a_half_model_stay_as_asked():
     dtypes = {v.op.name: v.dtype.base_dtype for v in tf.global_variables()}
     assert dtypes == {"w": tf.float32, "gamma": tf.float32,
                       "count": tf.float16}
+
+
+@pytest.mark.parametrize("variable_device", ["cpu", "replicated"])
+def test_sparse_and_none_gradients_pass_through_loss_scaling(
+    variable_device):
+  ids = np.array([[0, 3], [3, 5], [1, 1], [7, 2]], np.int32)
+  with tf.Graph().as_default() as g:
+
+    def model_fn(scope, batch):
+      del scope
+      table = tf.get_variable("table", [8, 4], dtype=tf.float16,
+                              initializer=tf.ones_initializer())
+      tf.get_variable("unused", [3], dtype=tf.float16)
+      rows = tf.nn.embedding_lookup(table, batch)
+      return tf.reduce_mean(tf.square(tf.cast(rows, tf.float32)))
+
+    train_op, t = towers.minimize(
+        model_fn, tf.train.GradientDescentOptimizer(1.0), 2,
+        inputs=tf.constant(ids), devices=models.devices(2),
+        variable_device=variable_device, compute_dtype="float16",
+        loss_scale=256.0)
+    grads = dict((v.op.name, grad) for grad, v in t.grads_and_vars)
+    assert isinstance(grads["table"], tf.IndexedSlices)
+    assert grads["unused"] is None
+    table = [v for v in tf.global_variables() if v.op.name == "table"][0]
+    with models.session(g) as sess:
+      initialize(sess)
+      sess.run(train_op)
+      values = sess.run(table)
+  # d/d(row) of mean(row**2) over 4 x 2 x 4 entries is row / 16 per use.
+  counts = np.bincount(ids.ravel(), minlength=8)
+  expected = 1.0 - counts[:, None] * np.ones((8, 4)) / 16.0
+  np.testing.assert_allclose(values, expected, rtol=1e-6)
