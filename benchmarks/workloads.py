@@ -7,10 +7,13 @@ and batch-norm scales and offsets, where a reduction's fixed cost per tensor
 shows (gradient packing, issue 11). Each workload is a loss function of one
 batch, ``loss_fn(images, labels) -> scalar loss``, built from
 ``tf.get_variable`` calls: the graph variants call it in each tower, the
-MirroredStrategy worker calls it inside TF2's variable-scope shim.
+MirroredStrategy worker calls it inside TF2's variable-scope shim. The CNNs
+also compute in float16 or bfloat16 (`computing_in`), for the mixed
+precision rows of `benchmarks.fast_paths`.
 """
 
 import collections
+import functools
 import os
 import sys
 from typing import Tuple
@@ -46,21 +49,27 @@ def _import_examples():
   return mnist_model, cifar10_model
 
 
-def _mnist_loss(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+def _mnist_loss(images: tf.Tensor, labels: tf.Tensor,
+                dtype: tf.DType = tf.float32) -> tf.Tensor:
   mnist_model, _ = _import_examples()
   # The training example's defaults: dropout 0.5, weight decay 5e-4.
   logits, decay = mnist_model.inference(images, dropout_rate=0.5,
-                                        weight_decay=5e-4)
+                                        weight_decay=5e-4, dtype=dtype)
   return tf.add(mnist_model.cross_entropy(logits, labels), decay,
                 name="total_loss")
 
 
-def _cifar10_loss(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+def _cifar10_loss(images: tf.Tensor, labels: tf.Tensor,
+                  dtype: tf.DType = tf.float32) -> tf.Tensor:
   _, cifar10_model = _import_examples()
-  logits, decay = cifar10_model.inference(images)
+  logits, decay = cifar10_model.inference(images, dtype=dtype)
   # The tutorial's loss adds summaries to a collection; no benchmarked step
   # runs them, so they cost nothing at run time.
   return cifar10_model.loss(logits, labels, decay)
+
+
+# The CNNs' losses, which compute in a dtype (`computing_in`).
+_CNN_LOSSES = {"mnist": _mnist_loss, "cifar10": _cifar10_loss}
 
 
 def small_variables(width: int, num_variables: int,
@@ -118,6 +127,35 @@ WORKLOADS = {
                         _cifar10_loss),
     "many_small": small_variables(MANY_SMALL_WIDTH, MANY_SMALL_VARIABLES),
 }
+
+
+def computing_in(workload: Workload, compute_dtype: str) -> Workload:
+  """Returns a CNN workload that computes in `compute_dtype`.
+
+  The examples' own mixed precision (their ``inference(..., dtype=...)``):
+  the model asks for its weights in `compute_dtype` and casts its images to
+  it; its logits, weight decay and loss are float32. Built under
+  `towers.minimize` with the same ``compute_dtype``, the variables are
+  float32 master weights of the same names and shapes; without it, they
+  would be made in `compute_dtype`.
+
+  Args:
+    workload: "mnist" or "cifar10" (`WORKLOADS`).
+    compute_dtype: "float16" or "bfloat16" ("float32": the workload as it
+      is).
+
+  Raises:
+    ValueError: for another workload.
+  """
+  if workload.name not in _CNN_LOSSES:
+    raise ValueError("expected a CNN workload (%s) to compute in %s, got %r"
+                     % (", ".join(_CNN_LOSSES), compute_dtype, workload.name))
+  dtype = tf.as_dtype(compute_dtype)
+  if dtype == tf.float32:
+    return workload
+  return Workload(workload.name, "%s, %s" % (workload.title, dtype.name),
+                  workload.image_shape,
+                  functools.partial(_CNN_LOSSES[workload.name], dtype=dtype))
 
 
 def synthetic_batch(workload: Workload, batch_size: int,
