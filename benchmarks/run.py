@@ -27,25 +27,29 @@ and those packed and unpacked rows only; then a sweep of packed against
 unpacked by the size of a gradient (`benchmarks.packing`); then
 `towers.average_gradients` alone against the original's on a large
 gradient set (time and peak memory), the graph build time and op count
-of 1, 2, 4 and 8 towers, and last synchronized batch norm
+of 1, 2, 4 and 8 towers, synchronized batch norm
 (`towers.batch_normalization`) against per-tower
 ``tf.compat.v1.layers.batch_normalization`` on a small ResNet-ish CNN at 2
-and 4 towers (`benchmarks.batch_norm`). Every graph variant also counts the
-bytes and tensors that cross between its devices in one untimed step,
-beside the figure its design predicts (`benchmarks.traffic`). Warm-up steps
-are not timed; variants are interleaved in rounds (each round runs a few
-steps of every variant, in a random order, after one untimed step) and the
-median step time over all rounds gives examples/sec. A round during which other
-processes kept the machine busy is repeated once they are quiet (within
---quiet_wait_minutes); the cores they used are recorded per round. Results
-go to ``--out``: results.json, results.md and examples_per_sec.png (when
-matplotlib, the ``bench`` extra, is installed).
+and 4 towers (`benchmarks.batch_norm`), and last the fast paths on the MNIST
+and CIFAR-10 CNNs (`benchmarks.fast_paths`): ``stage_inputs=True`` against
+the same ``tf.data`` input unstaged at 2 and 4 towers, and bfloat16, float16
+(loss-scaled) and XLA against float32 at 2 towers. Every graph variant
+also counts the bytes and tensors that cross between its devices in one
+untimed step, beside the figure its design predicts (`benchmarks.traffic`).
+Warm-up steps are not timed; variants are interleaved in rounds (each round
+runs a few steps of every variant, in a random order, after one untimed
+step) and the median step time over all rounds gives examples/sec. A round
+during which other processes kept the machine busy is repeated once they
+are quiet (within --quiet_wait_minutes); the cores they used are recorded
+per round. Results go to ``--out``: results.json, results.md and
+examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
 ``--quick`` runs a small version in under a minute, to check that everything
 runs: its results (in their own default directory) say they are a quick run,
 and it gives no verdicts on the targets. A section given no sizes is skipped:
 ``--workloads= --packing_kib= --averaging_shape= --build_towers=`` runs the
-batch-norm comparison alone, ``--batch_norm_towers=`` skips it. See
-docs/performance.md.
+batch-norm comparison and the fast paths alone, ``--batch_norm_towers=``
+skips the one, ``--fast_paths_workloads=`` the other (``--staging_towers=``
+or ``--precision_towers=`` a part of it). See docs/performance.md.
 """
 
 import datetime
@@ -75,6 +79,7 @@ import tensorflow.compat.v1 as tf
 from benchmarks import averaging
 from benchmarks import batch_norm
 from benchmarks import build_time
+from benchmarks import fast_paths
 from benchmarks import graphs
 from benchmarks import mirrored
 from benchmarks import packing
@@ -335,6 +340,47 @@ def batch_norm_comparison(*, tower_counts: Sequence[int], global_batch: int,
   return result
 
 
+def fast_paths_comparison(*, workload_names: Sequence[str],
+                          staging_towers: Sequence[int], staging_batch: int,
+                          precision_towers: Sequence[int],
+                          precision_batch: int, num_devices: int,
+                          quiet_policy: Quiet, warmup: int, rounds: int,
+                          steps: int) -> Dict[str, object]:
+  """Times the fast paths: staged against unstaged, then the precisions.
+
+  Each comparison is interleaved in rounds of its own (their steps differ
+  tenfold in time), its graphs built and closed before the next one's.
+  """
+  result = {"workloads": list(workload_names)}
+  kwargs = dict(quiet_policy=quiet_policy, warmup=warmup, rounds=rounds,
+                steps=steps)
+  if staging_towers:
+    started = time.time()
+    runners = fast_paths.build_staging(
+        workload_names=workload_names, tower_counts=staging_towers,
+        global_batch=staging_batch, num_devices=num_devices)
+    logging.info("fast paths: timing staged against unstaged inputs on %s "
+                 "at %s towers", list(workload_names), list(staging_towers))
+    times, rounds_info = _interleave_and_close(runners, **kwargs)
+    result["staging"] = fast_paths.staging_result(
+        runners, times, global_batch=staging_batch, rounds_info=rounds_info)
+    result["staging"]["seconds"] = time.time() - started
+  if precision_towers:
+    started = time.time()
+    runners, not_run = fast_paths.build_precision(
+        workload_names=workload_names, tower_counts=precision_towers,
+        global_batch=precision_batch, num_devices=num_devices)
+    logging.info("fast paths: timing %s on %s at %s towers",
+                 ", ".join(fast_paths.PRECISIONS), list(workload_names),
+                 list(precision_towers))
+    times, rounds_info = _interleave_and_close(runners, **kwargs)
+    result["precision"] = fast_paths.precision_result(
+        runners, not_run, times, global_batch=precision_batch,
+        rounds_info=rounds_info)
+    result["precision"]["seconds"] = time.time() - started
+  return result
+
+
 def average_gradients_result(peaks: averaging.PeakMeasurements, *,
                              num_towers: int, num_vars: int, num_floats: int,
                              peak_tower_counts: Sequence[int],
@@ -378,6 +424,9 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         packing_max_variables: int = packing.MAX_VARIABLES,
         many_small_variables: int = workloads.MANY_SMALL_VARIABLES,
         batch_norm_towers: Sequence[int] = (), batch_norm_batch: int = 128,
+        fast_paths_workloads: Sequence[str] = (),
+        staging_towers: Sequence[int] = (), staging_batch: int = 256,
+        precision_towers: Sequence[int] = (), precision_batch: int = 64,
         mirrored_skipped: Optional[str] = None,
         max_foreign_cores: float = 0.25, quiet_wait_seconds: float = 0.0,
         chart: bool = True) -> Dict[str, object]:
@@ -417,6 +466,14 @@ def run(*, out_dir: str, workload_names: Sequence[str],
       timed against per-tower batch norm (`benchmarks.batch_norm`); empty
       skips it.
     batch_norm_batch: its global batch.
+    fast_paths_workloads: the workloads ("mnist", "cifar10") of the fast
+      paths' rows (`benchmarks.fast_paths`); empty skips them.
+    staging_towers: the tower counts at which staged inputs are timed
+      against unstaged; empty skips them.
+    staging_batch: their global batch.
+    precision_towers: the tower counts at which bfloat16, float16 and XLA
+      are timed against float32; empty skips them.
+    precision_batch: their global batch.
     mirrored_skipped: why the MirroredStrategy rows cannot run here
       (`mirrored.installed_unavailable_reason`), or None to run them.
     max_foreign_cores: other processes' cores above which a timed round
@@ -431,8 +488,11 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   """
   started = time.time()
   report.ensure_dir(out_dir)
+  if not fast_paths_workloads:
+    staging_towers, precision_towers = (), ()
   num_devices = max(list(tower_counts) + list(averaging_shape[:1])
-                    + list(batch_norm_towers)
+                    + list(batch_norm_towers) + list(staging_towers)
+                    + list(precision_towers)
                     + ([packing_towers] if packing_sizes else []) + [1])
   results = {"quick": quick, "mirrored_skipped": mirrored_skipped,
              "machine": _machine(),
@@ -448,6 +508,11 @@ def run(*, out_dir: str, workload_names: Sequence[str],
                  "packing_max_variables": packing_max_variables,
                  "batch_norm_towers": list(batch_norm_towers),
                  "batch_norm_batch": batch_norm_batch,
+                 "fast_paths_workloads": list(fast_paths_workloads),
+                 "staging_towers": list(staging_towers),
+                 "staging_batch": staging_batch,
+                 "precision_towers": list(precision_towers),
+                 "precision_batch": precision_batch,
                  "warmup_steps": warmup, "rounds": rounds,
                  "untimed_steps_per_visit": 1,
                  "steps_per_round": steps, "num_devices": num_devices,
@@ -527,6 +592,14 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         tower_counts=batch_norm_towers, global_batch=batch_norm_batch,
         num_devices=num_devices, quiet_policy=quiet_policy, warmup=warmup,
         rounds=rounds, steps=steps)
+  # After batch norm, so that every section before it runs as in earlier
+  # runs.
+  if staging_towers or precision_towers:
+    results["fast_paths"] = fast_paths_comparison(
+        workload_names=fast_paths_workloads, staging_towers=staging_towers,
+        staging_batch=staging_batch, precision_towers=precision_towers,
+        precision_batch=precision_batch, num_devices=num_devices,
+        quiet_policy=quiet_policy, warmup=warmup, rounds=rounds, steps=steps)
   results["quiet_waited_seconds"] = quiet_policy.waited
   report.add_targets(results)
   results["load_average_end"] = load_average()
@@ -568,7 +641,9 @@ def main(argv):
         build_workload="mnist", build_counts=[1, 2, 4], build_repeats=1,
         packing_sizes=[1 * packing.KIB, 64 * packing.KIB], packing_towers=4,
         packing_batch=8, packing_max_variables=8, batch_norm_towers=[2, 4],
-        batch_norm_batch=8, quiet_wait_seconds=0)
+        batch_norm_batch=8, fast_paths_workloads=["mnist"],
+        staging_towers=[2], staging_batch=8, precision_towers=[2],
+        precision_batch=2, quiet_wait_seconds=0)
   else:
     settings = dict(
         workload_names=FLAGS.workloads,
@@ -589,6 +664,11 @@ def main(argv):
         packing_batch=FLAGS.packing_batch,
         batch_norm_towers=[int(n) for n in FLAGS.batch_norm_towers if n],
         batch_norm_batch=FLAGS.batch_norm_batch,
+        fast_paths_workloads=[w for w in FLAGS.fast_paths_workloads if w],
+        staging_towers=[int(n) for n in FLAGS.staging_towers if n],
+        staging_batch=FLAGS.staging_batch,
+        precision_towers=[int(n) for n in FLAGS.precision_towers if n],
+        precision_batch=FLAGS.precision_batch,
         quiet_wait_seconds=60 * FLAGS.quiet_wait_minutes)
   settings["max_foreign_cores"] = FLAGS.max_foreign_cores
   run(out_dir=default_out(FLAGS.out, FLAGS.quick), quick=FLAGS.quick,
@@ -642,6 +722,22 @@ def define_flags():
                     "a small ResNet-ish CNN; empty skips it.")
   flags.DEFINE_integer("batch_norm_batch", 128, "Global batch of the "
                        "batch-norm comparison (32x32x3 images).")
+  flags.DEFINE_list("fast_paths_workloads", ["mnist", "cifar10"], "Models "
+                    "of the fast paths' rows (staged inputs, mixed "
+                    "precision, XLA: benchmarks/fast_paths.py), run last; "
+                    "empty skips them.")
+  flags.DEFINE_list("staging_towers", ["2", "4"], "Tower counts at which "
+                    "stage_inputs=True is timed against the same tf.data "
+                    "input unstaged; empty skips it.")
+  flags.DEFINE_integer("staging_batch", 256, "Global batch of the staging "
+                       "rows.")
+  flags.DEFINE_list("precision_towers", ["2"], "Tower counts at which "
+                    "bfloat16, float16 (loss-scaled) and XLA are timed "
+                    "against float32; empty skips them.")
+  flags.DEFINE_integer("precision_batch", 64, "Global batch of the "
+                       "precision rows: small, since bfloat16 and float16 "
+                       "steps on a CPU without their instructions take "
+                       "several times float32's.")
   flags.DEFINE_integer("warmup", 3, "Untimed steps per variant.")
   flags.DEFINE_integer("rounds", 10, "Interleaved rounds.")
   flags.DEFINE_integer("steps", 3, "Timed steps per variant per round.")

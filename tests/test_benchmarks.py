@@ -21,6 +21,7 @@ import tensorflow.compat.v1 as tf
 
 import towers
 from benchmarks import batch_norm
+from benchmarks import fast_paths
 from benchmarks import graphs
 from benchmarks import mirrored
 from benchmarks import packing
@@ -132,6 +133,8 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
                      % (n, collectives, collectives, ring), done.stdout,
                      re.M), n
 
+  _check_quick_fast_paths(results["fast_paths"], size, done.stdout)
+
   # The sweep: packed against unpacked at 2 sizes, 4 towers, 8 variables.
   sweep = results["packing_sweep"]
   assert [r["size_bytes"] for r in sweep["rows"]] == [1024, 64 * 1024]
@@ -190,6 +193,62 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   # The chart is optional: drawn exactly when matplotlib is installed.
   has_matplotlib = importlib.util.find_spec("matplotlib") is not None
   assert (out / "examples_per_sec.png").exists() == has_matplotlib
+
+
+def _check_quick_fast_paths(section, size, stdout):
+  """The quick run's fast paths: MNIST at 2 towers, every row, counts.
+
+  `size`: the MNIST CNN's parameter bytes, P.
+  """
+  assert section["workloads"] == ["mnist"]
+  staging = section["staging"]
+  assert staging["global_batch"] == 8
+  assert staging["devices"] == {"2": ["/cpu:0", "/cpu:1"]}
+  (row,) = staging["rows"]
+  assert (row["workload"], row["num_towers"]) == ("mnist", 2)
+  staged, unstaged = row["staged"], row["unstaged"]
+  assert staged["steps_timed"] > 0 and unstaged["steps_timed"] > 0
+  assert row["ratio"] == pytest.approx(
+      unstaged["median_step_sec"] / staged["median_step_sec"])
+  assert row["targets"] == []
+  # Tower 1's shard of 4 images and labels crosses inside the unstaged
+  # step; the staged step takes it from its staging area, copied by the
+  # reader beforehand.
+  assert unstaged["input_bytes"] == 4 * (28 * 28 * 4 + 8)
+  assert staged["input_bytes"] == 0
+  # Staging moves no parameter.
+  assert staged["busiest_bytes"] == unstaged["busiest_bytes"] > 2 * size
+  assert staged["expected_busiest_bytes"] == 2 * size
+
+  precision = section["precision"]
+  assert precision["global_batch"] == 2
+  rows = {r["variant"]: r for r in precision["rows"]}
+  assert list(rows) == list(fast_paths.PRECISIONS)
+  for variant, row in rows.items():
+    assert "not_run" not in row, row
+    assert row["steps_timed"] > 0 and row["first_step_sec"] > 0, variant
+    assert row["ratio_to_float32"] > 0 and row["first_step_ratio"] > 0
+    # The float32 master weights and gradients cross, whatever the towers
+    # compute in: the same expected bytes for every row.
+    assert row["expected_busiest_bytes"] == 2 * size, variant
+  assert rows["float32"]["ratio_to_float32"] == 1.0
+  assert rows["float16"]["loss_scale"] == "dynamic"
+  assert rows["bfloat16"]["loss_scale"] is None
+  # Cast once in each tower, each weight crosses once; float32 reads two
+  # weights twice (the weight decay's own read), as the towers row does.
+  for variant in ("bfloat16", "float16"):
+    assert rows[variant]["busiest_bytes"] == 2 * size, variant
+    assert rows[variant]["unsized"] == [], variant
+  assert rows["float32"]["busiest_bytes"] > 2 * size
+  assert "### Fast paths: staged inputs against unstaged, global batch 8 " \
+      "(quick run)" in stdout
+  assert "### Fast paths: mixed precision and XLA against float32, global " \
+      "batch 2 (quick run)" in stdout
+  assert re.search(r"^\| mnist \| 2 \| .* \| 0\.00 / 0\.01 \| ", stdout,
+                   re.M)
+  assert "| mnist | float16 (compute_dtype, dynamic loss scaling) | 2 |" in (
+      stdout)
+  assert "| mnist | float32, XLA (jit_scope) | 2 |" in stdout
 
 
 def test_quick_run_has_its_own_default_directory():
@@ -804,3 +863,132 @@ def test_the_batch_norm_comparison_runs_alone(tmp_path):
     assert "tf.nn.fused_batch_norm (fallback) |" in table
     assert "TF_USE_LEGACY_KERAS=1" in table
   assert not (tmp_path / "examples_per_sec.png").exists()
+
+
+def _fast_paths(staged_seconds=0.104, xla_unsized=()):
+  """Made-up fast-path rows: MNIST staged at 2 and 4 towers, unstaged at
+  0.1 s; float32, bfloat16 (not run), float16 and XLA at 2 towers."""
+  def side(seconds, **more):
+    return {"median_step_sec": seconds, "q1_step_sec": seconds,
+            "q3_step_sec": seconds, "step_seconds": [seconds] * 4,
+            "examples_per_sec": 256 / seconds, "first_step_sec": 10 * seconds,
+            "busiest_device": "cpu:0", "busiest_bytes": 2 * MIB,
+            "expected_busiest_bytes": 2 * MIB, "input_bytes": 0,
+            "input_tensors": 0, "unsized": [], **more}
+  rounds = {"foreign_cores": [0.0], "repeated_rounds": 0}
+  cpus = {"2": ["/cpu:0", "/cpu:1"]}
+  staging = [{"workload": "mnist", "num_towers": n,
+              "staged": side(seconds), "unstaged": side(0.1),
+              "ratio": 0.1 / seconds, "ratio_interval": [0.1 / seconds] * 2}
+             for n, seconds in ((2, staged_seconds), (4, 0.2))]
+  precision = [
+      dict(side(0.1), workload="mnist", num_towers=2, variant="float32",
+           title=fast_paths.TITLES["float32"], loss_scale=None,
+           ratio_to_float32=1.0, ratio_interval=[1.0, 1.0],
+           first_step_ratio=1.0),
+      {"workload": "mnist", "num_towers": 2, "variant": "bfloat16",
+       "title": fast_paths.TITLES["bfloat16"], "loss_scale": None,
+       "not_run": "no DT_BFLOAT16 kernel for LRN on these devices (node "
+                  "tower_0/norm1)"},
+      dict(side(0.4), workload="mnist", num_towers=2, variant="float16",
+           title=fast_paths.TITLES["float16"], loss_scale="dynamic",
+           ratio_to_float32=0.25, ratio_interval=[0.2, 0.3],
+           first_step_ratio=4.0),
+      dict(side(0.05, unsized=list(xla_unsized)), workload="mnist",
+           num_towers=2, variant="xla", title=fast_paths.TITLES["xla"],
+           loss_scale=None, ratio_to_float32=2.0, ratio_interval=[1.8, 2.2],
+           first_step_ratio=0.5)]
+  return {"workloads": ["mnist"],
+          "staging": {"global_batch": 256, "rows": staging, "devices": cpus,
+                      "rounds": rounds},
+          "precision": {"global_batch": 64, "rows": precision,
+                        "devices": cpus, "rounds": rounds}}
+
+
+def test_staged_inputs_get_their_target_and_the_precisions_none():
+  results = _results(quick=False)
+  # 2 towers: 0.962x unstaged, met; 4 towers: 0.5x, not met.
+  results["fast_paths"] = _fast_paths(xla_unsized=["cluster_1_1/merge"])
+  report.add_targets(results)
+  verdicts = {(t["scope"], t["target"]): t for t in results["targets"]}
+  assert verdicts[("fast_paths mnist staged x2",
+                   "staged >= 0.95x unstaged")]["met"]
+  assert not verdicts[("fast_paths mnist staged x4",
+                       "staged >= 0.95x unstaged")]["met"]
+  assert not [k for k in verdicts if "float" in k[0] or "xla" in k[0]]
+  table = report.markdown(results)
+  assert "### Fast paths: staged inputs against unstaged, global batch 256" \
+      in table
+  assert ("| mnist | 2 | 104.0 [104.0, 104.0] | 100.0 [100.0, 100.0] | "
+          "0.962x [0.962, 0.962] | 0.00 / 0.00 | 2.0 / 2.0 (2.0) | staged >= "
+          "0.95x unstaged: met (0.962x [0.962, 0.962])") in table
+  assert "staged >= 0.95x unstaged: **not met** (0.500x" in table
+  assert ("| mnist | bfloat16 (compute_dtype) | 2 | not run: no DT_BFLOAT16 "
+          "kernel for LRN on these devices (node tower_0/norm1) |") in table
+  assert ("| mnist | float16 (compute_dtype, dynamic loss scaling) | 2 | "
+          "640.0 | 0.250x [0.200, 0.300] | 400.0 [400.0, 400.0] | 4.00 "
+          "(4.00x) | 2.0 (2.0) |") in table
+  assert "| 0.50 (0.50x) | 2.0 + 1 tensors of unknown size (2.0) |" in table
+  assert "On virtual CPU devices (2 towers: /cpu:0, /cpu:1)" in table
+  assert "overhead only" in table
+
+
+def test_quick_fast_paths_give_no_verdicts():
+  results = _results(quick=True)
+  results["fast_paths"] = _fast_paths()
+  report.add_targets(results)
+  assert results["targets"] == []
+  assert all(row["targets"] == []
+             for row in results["fast_paths"]["staging"]["rows"])
+  table = report.markdown(results)
+  assert "global batch 256 (quick run)" in table
+  assert "global batch 64 (quick run)" in table
+  assert not VERDICT.search(table)
+
+
+def test_a_missing_kernel_is_a_reason_and_another_error_is_none():
+  message = ("No OpKernel was registered to support Op 'LRN' used by "
+             "{{node tower_0/norm1}} with these attrs: [alpha=0.0001, bias=1, "
+             "depth_radius=4, T=DT_BFLOAT16, beta=0.75]\nRegistered devices: "
+             "[CPU]")
+  assert fast_paths.missing_kernel(tf.errors.InvalidArgumentError(
+      None, None, message)) == (
+          "no DT_BFLOAT16 kernel for LRN on these devices (node "
+          "tower_0/norm1)")
+  assert fast_paths.missing_kernel(tf.errors.InvalidArgumentError(
+      None, None, "Incompatible shapes: [2] vs. [3]")) is None
+
+
+@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float16"])
+def test_a_cnn_in_half_precision_keeps_float32_variables_of_its_names(
+    compute_dtype):
+  def variables(workload, **kwargs):
+    images, labels = workloads.synthetic_batch(workload, 4)
+    with tf.Graph().as_default():
+      towers.build_towers(
+          lambda scope, x, y: workload.loss_fn(x, y),
+          tf.train.GradientDescentOptimizer(0.1), 2,
+          inputs=(tf.constant(images), tf.constant(labels)),
+          devices=["/cpu:0", "/cpu:0"], **kwargs)
+      return [(v.op.name, v.dtype.base_dtype, v.shape.as_list())
+              for v in tf.trainable_variables()]
+
+  for name in fast_paths.WORKLOADS:
+    workload = workloads.WORKLOADS[name]
+    half = workloads.computing_in(workload, compute_dtype)
+    assert half.name == name and half.title.endswith(compute_dtype)
+    assert variables(half, compute_dtype=compute_dtype) == variables(
+        workload)
+  assert workloads.computing_in(workload, "float32") is workload
+  with pytest.raises(ValueError, match="expected a CNN workload"):
+    workloads.computing_in(workloads.WORKLOADS["many_small"], "float16")
+
+
+def test_minimize_arguments_and_a_dataset_only_for_minimized_variants():
+  workload = workloads.WORKLOADS["mnist"]
+  images, labels = workloads.synthetic_batch(workload, 4)
+  for kwargs in ({"minimize_kwargs": {"stage_inputs": True}},
+                 {"dataset": True}):
+    with pytest.raises(ValueError, match="only for a variant towers.minimize"):
+      graphs.GraphStep(workload, graphs.PLAIN, 1, images, labels, 1,
+                       **kwargs)
