@@ -8,6 +8,7 @@ directory's lock and checks are in traindir.py). Example code, not part of
 the `towers` library.
 """
 
+import contextlib
 import hashlib
 import math
 import os
@@ -154,6 +155,94 @@ def define_pack_bytes_flag() -> None:
                        "or more towers, within rounding).")
 
 
+# --precision: the dtype the towers compute in (`towers.minimize`'s
+# compute_dtype); the variables stay float32 whatever it is.
+PRECISIONS = ("float32", "float16", "bfloat16")
+
+
+def check_fast_path_flags(precision: str, stage_inputs: bool,
+                          distributed: bool = False) -> None:
+  """Checks --precision and --stage_inputs, alone and with a cluster.
+
+  In a cluster (--ps_hosts) a ``tf.train.SyncReplicasOptimizer`` applies
+  the workers' gradients, and it needs every worker's gradients at every
+  step, so float16's loss scaling, which skips the steps whose gradients
+  overflow, cannot work there; bfloat16 needs no loss scaling.
+
+  Raises:
+    FlagError: for an unknown precision, or a combination that cannot
+      work, naming the flags and the fix.
+  """
+  if precision not in PRECISIONS:
+    raise FlagError("--precision=%s must be one of %s"
+                    % (precision, ", ".join(PRECISIONS)))
+  if distributed and precision == "float16":
+    raise FlagError(
+        "--precision=float16 needs loss scaling, which skips the steps whose "
+        "gradients overflow, but with --ps_hosts SyncReplicasOptimizer needs "
+        "every worker's gradients at every step: use --precision=bfloat16 "
+        "(float32's range, no loss scaling), or train without --ps_hosts and "
+        "--worker_hosts")
+  del stage_inputs  # TODO
+
+
+def define_precision_flag(note: str = "") -> None:
+  """Defines --precision; `note` ends its help."""
+  flags.DEFINE_enum("precision", "float32", list(PRECISIONS),
+                    "The dtype the towers compute in. float16 or bfloat16: "
+                    "the weights stay float32 (what is averaged, updated "
+                    "and saved, under the float32 names) and each tower "
+                    "computes on half-precision casts of them; float16 "
+                    "adds dynamic loss scaling (the loss scale is logged "
+                    "and summarized)." + note)
+
+
+def define_xla_and_staging_flags() -> None:
+  """Defines --xla and --stage_inputs."""
+  flags.DEFINE_boolean("xla", False, "Compile each tower's model and its "
+                       "gradient with XLA (tf.xla.experimental.jit_scope); "
+                       "results agree with the default's within rounding, "
+                       "not bit for bit.")
+  flags.DEFINE_boolean("stage_inputs", False, "Read each tower's next batch "
+                       "ahead, in a background queue runner, and stage it on "
+                       "the tower's device, so a step's input copies run "
+                       "while the steps before it compute.")
+
+
+def xla_scope(xla: bool):
+  """An XLA ``jit_scope`` with `xla`, else a scope that does nothing.
+
+  Entered around the body of a `model_fn` (``towers``' documented way to
+  XLA): the tower's forward ops, and so its gradient ops, are compiled with
+  XLA. Ops XLA cannot compile, such as summaries, run as they would
+  without it.
+  """
+  return tf.xla.experimental.jit_scope() if xla else contextlib.nullcontext()
+
+
+def log_fast_paths(t: towers.Towers, precision: str, xla: bool,
+                   stage_inputs: bool, precision_flag: Optional[str] = None
+                  ) -> None:
+  """Logs the fast paths in use (nothing when none is).
+
+  `precision_flag` is the flag that chose a half `precision`, as the user
+  typed it (default ``--precision=<precision>``).
+  """
+  if precision != "float32":
+    logging.info(
+        "%s: the towers compute in %s on float32 master weights (saved "
+        "under the float32 names)%s",
+        precision_flag or "--precision=" + precision, precision,
+        "; dynamic loss scaling (its scale is logged with each step)"
+        if t.loss_scale is not None else "")
+  if xla:
+    logging.info("--xla: each tower's model and its gradient are compiled "
+                 "with XLA")
+  if stage_inputs:
+    logging.info("--stage_inputs: each tower's batches are read ahead and "
+                 "staged on its device by a background queue runner")
+
+
 def log_variables(t: towers.Towers, variable_device: str,
                   all_reduce: str) -> None:
   """Logs where the towers' variables live and how they are kept in step."""
@@ -200,10 +289,12 @@ def register_flag_checks(bounds: Mapping[str, Bounds],
                          directories: Sequence[str] = ()) -> None:
   """Has absl check the script's flags when it parses them.
 
-  A flag out of its `bounds`, a directory flag naming a file, or a
+  A flag out of its `bounds`, a directory flag naming a file, a
   --variable_device and --all_reduce combination `check_variable_flags`
-  refuses, then stops the script before anything is built, with one line
-  naming the flag (``flag --batch_size=0: must be >= 1``). Only flags that
+  refuses, or a --precision or --stage_inputs a cluster cannot take
+  (`check_fast_path_flags`), then stops the script before anything is
+  built, with one line naming the flag (``flag --batch_size=0: must be >=
+  1``). Only flags that
   are defined are checked: `bounds` may also hold `train` arguments that are
   not flags.
   """
@@ -217,17 +308,31 @@ def register_flag_checks(bounds: Mapping[str, Bounds],
         name, lambda p: not p or not os.path.exists(p) or os.path.isdir(p),
         message="is a file, not a directory: point it at a directory (it is "
         "created if absent)")
-  # Two checks, so that absl's line names only the flags at fault.
-  for names in (("variable_device", "all_reduce"),
-                ("variable_device", "ps_hosts", "worker_hosts")):
+  # One check per group, so that absl's line names only the flags at fault.
+  for names, check in (
+      (("variable_device", "all_reduce"), _check_variable_flags),
+      (("variable_device", "ps_hosts", "worker_hosts"),
+       _check_variable_flags),
+      (("precision", "stage_inputs", "ps_hosts", "worker_hosts"),
+       _check_fast_path_flags)):
     if all(n in flags.FLAGS for n in names):
-      flags.register_multi_flags_validator(names, _check_variable_flags)
+      flags.register_multi_flags_validator(names, check)
 
 
 def _check_variable_flags(values: Mapping[str, object]) -> bool:
   try:
     check_variable_flags(
         values["variable_device"], values.get("all_reduce", "auto"),
+        bool(values.get("ps_hosts") or values.get("worker_hosts")))
+  except FlagError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
+
+
+def _check_fast_path_flags(values: Mapping[str, object]) -> bool:
+  try:
+    check_fast_path_flags(
+        values["precision"], values["stage_inputs"],
         bool(values.get("ps_hosts") or values.get("worker_hosts")))
   except FlagError as e:
     raise flags.ValidationError(str(e)) from None
@@ -306,9 +411,13 @@ def training_summaries(t: towers.Towers, learning_rate: tf.Tensor
   """Merges the final tower's summaries, the learning rate and histograms.
 
   Histograms are of each variable and of its averaged gradient (what
-  `towers.minimize` applied), tagged with the variable's name. Run by the
-  session's summary hook in the same `sess.run` as the training step, so no
-  extra input batch is consumed.
+  `towers.minimize` applied), tagged with the variable's name. With a loss
+  scale (`towers.Towers.loss_scale`) there is a ``loss_scale`` scalar too,
+  and a gradient's histogram holds its finite values only: a step whose
+  gradients overflow is skipped, not an error, and a histogram of an
+  infinity would fail the step. Run by the session's summary hook in the
+  same `sess.run` as the training step, so no extra input batch is
+  consumed.
   """
   # Explicit tags: tf.summary.* derive the tag from a uniquified op name, so
   # a tag equal to an existing op's name ("conv1/weights") would become
@@ -317,10 +426,14 @@ def training_summaries(t: towers.Towers, learning_rate: tf.Tensor
     summaries = list(t.summaries)
     summaries.append(_scalar("learning_rate", learning_rate))
     summaries.append(_scalar("loss", t.loss))
+    if t.loss_scale is not None:
+      summaries.append(_scalar("loss_scale", t.loss_scale))
     for grad, var in t.grads_and_vars or []:
       summaries.append(_histogram(var.op.name, var))
       if grad is not None:
         values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        if t.loss_scale is not None:
+          values = tf.boolean_mask(values, tf.is_finite(values))
         summaries.append(_histogram(var.op.name + "/gradients", values))
     return tf.summary.merge(summaries)
 
@@ -338,13 +451,16 @@ class StepLogger(tf.train.SessionRunHook):
 
   ``step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)``, where
   examples/sec counts the global batch and sec/batch is the step time
-  divided by the number of towers, as in the tutorial.
+  divided by the number of towers, as in the tutorial. With a `loss_scale`
+  the line ends with ``, loss scale = %g``, the scale the step used.
   """
 
   def __init__(self, loss: tf.Tensor, global_step: tf.Tensor,
                examples_per_step: int, num_towers: int, every: int = 10,
-               count_locally: bool = True):
+               count_locally: bool = True,
+               loss_scale: Optional[tf.Tensor] = None):
     self._loss = loss
+    self._loss_scale = loss_scale
     self._global_step = global_step
     self._examples_per_step = examples_per_step
     self._num_towers = num_towers
@@ -365,10 +481,15 @@ class StepLogger(tf.train.SessionRunHook):
     self._start = time.time()
 
   def before_run(self, run_context):
-    return tf.train.SessionRunArgs([self._loss, self._global_step])
+    fetches = [self._loss, self._global_step]
+    if self._loss_scale is not None:
+      fetches.append(self._loss_scale)
+    return tf.train.SessionRunArgs(fetches)
 
   def after_run(self, run_context, run_values):
-    loss, global_step = run_values.results
+    loss, global_step = run_values.results[:2]
+    loss_scale = run_values.results[2] if self._loss_scale is not None \
+        else None
     loss = float(loss)
     # Alone, a process counts its own steps (the global step it fetched may
     # be read before or after this step's increment). In a cluster other
@@ -383,9 +504,11 @@ class StepLogger(tf.train.SessionRunHook):
     if self._runs % self._every == 0:
       duration = (time.time() - self._start) / self._every
       self._start = time.time()
-      logging.info("step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)",
+      logging.info("step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)%s",
                    self._step, loss, self._examples_per_step / duration,
-                   duration / self._num_towers)
+                   duration / self._num_towers,
+                   "" if loss_scale is None else
+                   ", loss scale = %g" % loss_scale)
 
 
 class Interrupted(Exception):
@@ -450,6 +573,7 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
                  save_checkpoint_steps: Optional[int] = None,
                  save_summaries_steps: int = 100, master: str = "",
                  is_chief: bool = True, stop_grace_period_secs: float = 120,
+                 loss_scale: Optional[tf.Tensor] = None,
                  hooks: Iterable[tf.train.SessionRunHook] = (),
                  chief_only_hooks: Iterable[tf.train.SessionRunHook] = ()
                 ) -> int:
@@ -461,7 +585,8 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
   given, replaces the time-based schedule. The ``checkpoint`` state file
   names checkpoints relative to `train_dir`, so a copied directory resumes
   from its own. Nothing is ever deleted but the checkpoints the Saver
-  rotates out (it keeps the latest 5).
+  rotates out (it keeps the latest 5). `loss_scale`, when given (the
+  towers' `loss_scale`), is logged with each step line.
 
   SIGTERM or SIGINT (in the main thread) ends training after the current
   step: the chief saves a checkpoint, one line is logged, and `Interrupted`
@@ -475,7 +600,8 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
                          allow_empty=True)
   scaffold = tf.train.Scaffold(summary_op=summary_op, saver=saver)
   logger = StepLogger(loss, global_step, examples_per_step, num_towers,
-                      log_every, count_locally=not master)
+                      log_every, count_locally=not master,
+                      loss_scale=loss_scale)
   all_hooks = [tf.train.StopAtStepHook(last_step=max_steps), logger]
   with StopOnSignals() as signals:
     with tf.train.MonitoredTrainingSession(

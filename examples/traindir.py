@@ -14,7 +14,7 @@ import os
 import re
 import shlex
 import shutil
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow.compat.v1 as tf
@@ -146,6 +146,35 @@ def finished(state: TrainDir, train_dir: str, max_steps: int) -> bool:
                "(raise --max_steps to train on)",
                state.checkpoint or "--train_dir=" + train_dir, done, max_steps)
   return True
+
+
+def check_restores(state: TrainDir, variables: Sequence[tf.Variable]) -> None:
+  """Checks that the checkpoint to resume from holds each of `variables`.
+
+  Call it once the graph is built, with the variables its session restores
+  (``tf.global_variables()``). A run resumed with other flags than those
+  its checkpoint was written with may need a variable the checkpoint lacks:
+  the loss scale, for one, comes with float16 training (``--precision=
+  float16``, ``--use_fp16``), so a float32 run's checkpoint lacks it. The
+  session would fail in the middle of restoring, with a traceback. What
+  the checkpoint holds beyond the graph is not restored, and is no error
+  (a float16 run's checkpoint resumes in float32).
+
+  Raises:
+    TrainDirError: naming the checkpoint, the variables it lacks and the
+      fix.
+  """
+  if state.checkpoint is None:
+    return
+  held = {name for name, _ in tf.train.list_variables(state.checkpoint)}
+  missing = [v.op.name for v in variables if v.op.name not in held]
+  if missing:
+    raise TrainDirError(
+        "the latest checkpoint %s lacks %s, which this run would restore: it "
+        "was written by a run with other flags (the loss scale comes with "
+        "float16 training, --precision=float16 or --use_fp16); resume with "
+        "the flags it was trained with, or train in another --train_dir"
+        % (state.checkpoint, ", ".join(missing)))
 
 
 def _peek_global_step(train_dir: str) -> Optional[int]:
