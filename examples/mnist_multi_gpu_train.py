@@ -12,6 +12,8 @@
   python examples/mnist_multi_gpu_train.py --num_gpus=4 \
       --variable_device=replicated --all_reduce=ring \
       --train_dir=/tmp/mnist_replicated  # a copy of the variables per tower
+  python examples/mnist_multi_gpu_train.py --num_gpus=2 --precision=float16 \
+      --xla --stage_inputs --train_dir=/tmp/mnist_fast  # the fast paths
 
 The working version of normanheckscher/mnist-multi-gpu's training script on
 `towers`: one replica of the model per GPU (``tower_0``, ``tower_1``, ...),
@@ -43,6 +45,17 @@ bit, but with --all_reduce=collective over 3 or more towers). A flag out of
 range (``--batch_size=0``, ``--pack_bytes=-1``), a --train_dir that is a
 file, or --all_reduce without --variable_device=replicated stops the script
 at once with one line naming the flag.
+
+The fast paths (docs/examples.md, "Fast paths"): --precision=float16 or
+bfloat16 has the towers compute in that dtype on float32 master weights
+(saved under the float32 names, so mnist_eval.py, in float32, reads the
+checkpoints as they are); float16 adds dynamic loss scaling, whose scale is
+logged with each step line and summarized as ``loss_scale``. In a cluster
+(--ps_hosts) float16 is refused: SyncReplicasOptimizer cannot skip the
+steps loss scaling skips; bfloat16 needs no loss scaling. --xla compiles
+each tower's model and gradient with XLA (the same results within
+rounding). --stage_inputs reads each tower's batches ahead, in a background
+queue runner, and stages them on its device.
 
 The training directory: restarting with the same --train_dir resumes from
 its latest checkpoint; when that is already at --max_steps the script says
@@ -129,6 +142,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       all_reduce: str = "auto",
                       average_device: Optional[str] = None,
                       pack_bytes: int = common.DEFAULT_PACK_BYTES,
+                      precision: str = "float32", xla: bool = False,
+                      stage_inputs: bool = False,
                       wrap_optimizer: Optional[Callable[
                           [tf.train.Optimizer], tf.train.Optimizer]] = None,
                       replicas: int = 1,
@@ -163,6 +178,12 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
       `towers.minimize`); a worker's own CPU in a cluster.
     pack_bytes: the largest gradient, in bytes, reduced in a pack with
       others (see `towers.minimize`); 0 turns packing off.
+    precision: the dtype the towers compute in, one of
+      `common.PRECISIONS`: `towers.minimize`'s ``compute_dtype`` (float32
+      master weights; float16 with dynamic loss scaling, its default).
+    xla: whether each tower's model is built in an XLA ``jit_scope``.
+    stage_inputs: whether each tower's batches are read ahead and staged
+      on its device (`towers.minimize`'s ``stage_inputs``).
     wrap_optimizer: wraps the momentum optimizer, e.g. in a
       ``tf.train.SyncReplicasOptimizer``.
     replicas: how many workers' gradients one global step applies.
@@ -197,18 +218,22 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     with tf.device(mnist_data.INPUT_DEVICE):
       return iterator.get_next()
 
+  dtype = tf.as_dtype(precision)
+
   def model_fn(scope, images, labels):
     del scope  # Summaries are collected by the towers.
-    logits, decay = mnist_model.inference(images, dropout_rate=dropout_rate,
-                                          weight_decay=weight_decay)
-    xent = mnist_model.cross_entropy(logits, labels)
-    loss = tf.add(xent, decay, name="total_loss")
-    # Named apart from the ops they show: a summary named like an existing
-    # op gets a uniquified tag ("cross_entropy_1").
-    tf.summary.scalar("losses/cross_entropy", xent)
-    tf.summary.scalar("losses/weight_decay", decay)
-    tf.summary.scalar("losses/total", loss)
-    tf.summary.histogram("logits", logits)
+    with common.xla_scope(xla):
+      logits, decay = mnist_model.inference(
+          images, dropout_rate=dropout_rate, weight_decay=weight_decay,
+          dtype=dtype)
+      xent = mnist_model.cross_entropy(logits, labels)
+      loss = tf.add(xent, decay, name="total_loss")
+      # Named apart from the ops they show: a summary named like an
+      # existing op gets a uniquified tag ("cross_entropy_1").
+      tf.summary.scalar("losses/cross_entropy", xent)
+      tf.summary.scalar("losses/weight_decay", decay)
+      tf.summary.scalar("losses/total", loss)
+      tf.summary.histogram("logits", logits)
     return loss
 
   opt = tf.train.MomentumOptimizer(lr, momentum)
@@ -216,6 +241,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     opt = wrap_optimizer(opt)
   train_op, t = towers.minimize(model_fn, opt, num_towers, inputs=next_batch,
                                 devices=list(devices),
+                                compute_dtype=precision,
+                                stage_inputs=stage_inputs,
                                 variable_device=variable_device,
                                 all_reduce=all_reduce,
                                 average_device=average_device,
@@ -239,6 +266,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           save_summaries_steps: int = 100,
           variable_device: str = "cpu", all_reduce: str = "auto",
           pack_bytes: int = common.DEFAULT_PACK_BYTES,
+          precision: str = "float32", xla: bool = False,
+          stage_inputs: bool = False,
           ps_hosts: Sequence[str] = (), worker_hosts: Sequence[str] = (),
           job_name: str = "worker", task_index: int = 0,
           replicas_to_aggregate: Optional[int] = None,
@@ -285,6 +314,10 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       ``variable_device='replicated'``.
     pack_bytes: as for `build_train_graph`; in every variable mode, and in
       a cluster.
+    precision: 'float32', 'float16' or 'bfloat16', as for
+      `build_train_graph`; not 'float16' in a cluster (its loss scaling
+      skips steps, which ``SyncReplicasOptimizer`` cannot).
+    xla, stage_inputs: as for `build_train_graph`.
     ps_hosts, worker_hosts: the cluster's ``host:port`` lists, the same for
       every task; empty for training on this machine alone.
     job_name, task_index: this task: 'ps' or 'worker', and its index in
@@ -301,11 +334,13 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
 
   Raises:
     common.FlagError: for an argument out of its `BOUNDS`, a directory that
-      is a file, or a `variable_device` and `all_reduce` combination that
-      cannot work (`common.check_variable_flags`); common.DeviceError (one)
-      if a session lacks a tower device.
+      is a file, a `variable_device` and `all_reduce` combination that
+      cannot work (`common.check_variable_flags`), or a `precision` or
+      `stage_inputs` a cluster cannot take (`common.check_fast_path_flags`);
+      common.DeviceError (one) if a session lacks a tower device.
     traindir.TrainDirError: if `train_dir` is in use by another trainer, or
-      holds checkpoints it cannot safely resume from.
+      holds checkpoints it cannot safely resume from (or that lack a
+      variable of this run's graph: a float32 run's, for float16).
     common.Interrupted: after SIGTERM or SIGINT, once the checkpoint is
       saved.
     mnist_data.MissingDataError: if the data is absent and not downloadable.
@@ -329,6 +364,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   common.check_dir("data_dir", data_dir)
   distributed = bool(ps_hosts or worker_hosts)
   common.check_variable_flags(variable_device, all_reduce, distributed)
+  common.check_fast_path_flags(precision, stage_inputs, distributed)
   replicas = 1
   if distributed:
     replicas = replicas_to_aggregate or len(worker_hosts)
@@ -395,10 +431,13 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           momentum=momentum, learning_rate_decay=learning_rate_decay,
           epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
           dropout_rate=dropout_rate, pack_bytes=pack_bytes, seed=seed,
+          precision=precision, xla=xla, stage_inputs=stage_inputs,
           **graph_kwargs)
+      traindir.check_restores(state, tf.global_variables())
       if not distributed:
         common.log_variables(g.towers, variable_device, all_reduce)
       common.log_packing(g.towers, pack_bytes)
+      common.log_fast_paths(g.towers, precision, xla, stage_inputs)
       if distributed:
         session_kwargs["hooks"] = [
             cluster.sync_replicas_hook(g.optimizer, task.is_chief)]
@@ -411,7 +450,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           config=config, log_every=log_frequency,
           save_checkpoint_secs=save_checkpoint_secs,
           save_checkpoint_steps=save_checkpoint_steps,
-          save_summaries_steps=save_summaries_steps, **session_kwargs)
+          save_summaries_steps=save_summaries_steps,
+          loss_scale=g.towers.loss_scale, **session_kwargs)
 
 
 FLAGS = flags.FLAGS
@@ -459,6 +499,10 @@ def define_flags() -> None:
                        "weights, dropout and shuffle (default: random).")
   common.define_variable_flags(" One machine only (not with --ps_hosts).")
   common.define_pack_bytes_flag()
+  common.define_precision_flag(
+      " Not float16 with --ps_hosts (SyncReplicasOptimizer cannot skip a "
+      "step): bfloat16 needs no loss scaling.")
+  common.define_xla_and_staging_flags()
   flags.DEFINE_list("ps_hosts", [], "Parameter servers' host:port list, "
                     "the same on every task; empty to train on this machine "
                     "alone.")
@@ -495,7 +539,8 @@ def main(argv):
       save_checkpoint_steps=FLAGS.save_checkpoint_steps,
       save_summaries_steps=FLAGS.save_summaries_steps, seed=FLAGS.seed,
       variable_device=FLAGS.variable_device, all_reduce=FLAGS.all_reduce,
-      pack_bytes=FLAGS.pack_bytes, mirrors=FLAGS.mirrors,
+      pack_bytes=FLAGS.pack_bytes, precision=FLAGS.precision, xla=FLAGS.xla,
+      stage_inputs=FLAGS.stage_inputs, mirrors=FLAGS.mirrors,
       ps_hosts=FLAGS.ps_hosts, worker_hosts=FLAGS.worker_hosts,
       job_name=FLAGS.job_name, task_index=FLAGS.task_index,
       replicas_to_aggregate=FLAGS.replicas_to_aggregate,

@@ -689,6 +689,13 @@ def test_a_finished_job_trains_no_step(trained_dir, tmp_path, absl_logs):
     (dict(variable_device="replicated", all_reduce="nccl"),
      "--all_reduce=nccl must be one of auto, add_n, ring, collective"),
     (dict(pack_bytes=-1), "--pack_bytes=-1 must be >= 0"),
+    (dict(precision="float64"), "--precision=float64 must be one of "
+     "float32, float16, bfloat16"),
+    (dict(precision="float16", ps_hosts=["localhost:2222"],
+          worker_hosts=["localhost:2223"]),
+     "--precision=float16 needs loss scaling, which skips the steps whose "
+     "gradients overflow, but with --ps_hosts SyncReplicasOptimizer needs "
+     "every worker's gradients at every step: use --precision=bfloat16"),
 ])
 def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
   args = dict(dict(max_steps=5), **args)
@@ -894,6 +901,8 @@ def test_a_second_signal_kills_at_once():
      "--variable_device=replicated applies to training on one machine"),
     ("cifar10_multi_gpu_train.py", "--pack_bytes=-1",
      "--pack_bytes=-1: must be >= 0"),
+    ("mnist_multi_gpu_train.py", "--precision=float16 --ps_hosts=h:2222",
+     "--precision=float16 needs loss scaling"),
 ])
 def test_scripts_refuse_a_bad_flag_in_one_line(tmp_path, script, flag, words):
   (tmp_path / "file").write_text("")
@@ -1060,6 +1069,165 @@ def test_checkpoints_resume_across_modes_and_set_every_copy(
   for name, value in copied.items():
     np.testing.assert_array_equal(value, saved[name], err_msg=name)
     np.testing.assert_array_equal(restored[name], saved[name], err_msg=name)
+
+
+# The fast paths: --precision, --xla, --stage_inputs.
+
+LOSS_SCALE_VARIABLES = ["loss_scale", "loss_scale_good_steps"]
+
+
+def _logged(logs):
+  """[(step, loss, rest of the line)] of the step lines in `logs`."""
+  found = [(LOG_LINE.search(m), m) for m in logs]
+  return [(int(f.group(1)), float(m.split("loss = ")[1].split()[0]),
+           m[f.end():]) for f, m in found if f]
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_half_precision_saves_float32_weights_that_eval_restores(
+    one_copy_run, tmp_path, absl_logs, precision):
+  data_dir, one_copy = one_copy_run[:2]
+  train_dir = str(tmp_path / "train")
+  assert mnist_train.train(train_dir=train_dir, data_dir=data_dir,
+                           precision=precision, **REPLICATED_RUN) == 3
+  logs = absl_logs()
+  float16 = precision == "float16"
+  assert any(m.startswith("--precision=%s: the towers compute in %s on "
+                          "float32 master weights" % (precision, precision))
+             and ("dynamic loss scaling" in m) == float16 for m in logs)
+  lines = _logged(logs)
+  assert [step for step, _, _ in lines] == [1, 2, 3]
+  assert all(np.isfinite(loss) for _, loss, _ in lines)
+  # Dynamic loss scaling starts at 2**15; no step of these overflows.
+  assert [rest for _, _, rest in lines] == (
+      [", loss scale = 32768"] * 3 if float16 else ["", "", ""])
+  assert ("loss_scale" in summary_tags(train_dir)) == float16
+  # The float32 run's variables, names and dtypes, and the loss scale.
+  path = tf.train.latest_checkpoint(train_dir)
+  names = [name for name, _ in tf.train.list_variables(path)]
+  assert sorted(names) == sorted(list(_checkpoint(one_copy)) + (
+      LOSS_SCALE_VARIABLES if float16 else []))
+  for name in names:
+    if name != "global_step":
+      assert tf.train.load_variable(path, name).dtype == np.float32, name
+  # The float32 evaluation graph restores it as it is.
+  result = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=data_dir,
+                               batch_size=8, run_once=True, mirrors=())
+  assert (result.num_examples, result.global_step) == (NUM_TEST, 3)
+  if float16:
+    # And float32 training resumes from it (the loss scale left unread).
+    assert _train(data_dir, train_dir, max_steps=4) == 4
+
+
+def test_a_float32_checkpoint_resumes_in_bfloat16_not_in_float16(
+    trained_dir, tmp_path):
+  data_dir = trained_dir[0]
+  train_dir = _copy(trained_dir, tmp_path)
+  before = _listing(train_dir)
+  with pytest.raises(traindir.TrainDirError) as error:
+    _train(data_dir, train_dir, max_steps=7, precision="float16")
+  message = str(error.value)
+  for words in ["model.ckpt-6 lacks loss_scale, loss_scale_good_steps",
+                "the loss scale comes with float16 training",
+                "resume with the flags it was trained with"]:
+    assert words in message
+  after = _listing(train_dir)
+  del before[traindir.LOCK_FILE], after[traindir.LOCK_FILE]
+  assert after == before  # Refused before a session.
+  assert _train(data_dir, train_dir, max_steps=7, precision="bfloat16") == 7
+
+
+def test_a_skipped_steps_gradient_histograms_hold_its_finite_values():
+  # A fixed scale of 2**40 overflows every float16 gradient: the step is
+  # skipped, and its summaries must not fail on the infinite gradients.
+  def model_fn(scope, x):
+    del scope
+    w = tf.get_variable("w", [3, 1], tf.float16,
+                        initializer=tf.ones_initializer())
+    return tf.reduce_mean(tf.cast(tf.matmul(tf.cast(x, tf.float16), w),
+                                  tf.float32))
+
+  with tf.Graph().as_default():
+    step = tf.train.get_or_create_global_step()
+    train_op, t = towers.minimize(
+        model_fn, tf.train.GradientDescentOptimizer(0.1), 2,
+        inputs=tf.ones([4, 3]), devices=["/cpu:0", "/cpu:0"],
+        compute_dtype="float16", loss_scale=2.0 ** 40, global_step=step)
+    summary_op = common.training_summaries(t, tf.constant(0.1))
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      _, summary = sess.run([train_op, summary_op])
+      w, global_step = sess.run([tf.trainable_variables()[0], step])
+  np.testing.assert_array_equal(w, np.ones([3, 1]))  # Skipped.
+  assert global_step == 0
+  values = {v.tag: v for v in tf.Summary.FromString(summary).value}
+  assert values["loss_scale"].simple_value == 2.0 ** 40
+  assert values["w/gradients"].histo.num == 0  # No finite value.
+  assert values["w"].histo.num == 3
+
+
+def _xla_compiled(op):
+  try:
+    return op.get_attr("_XlaCompile")
+  except ValueError:
+    return False
+
+
+def test_xla_compiles_the_towers_and_trains_within_rounding(
+    one_copy_run, tmp_path, absl_logs):
+  data_dir, one_copy = one_copy_run[:2]
+  with tf.Graph().as_default() as g:
+    _build(data_dir, num_towers=2, xla=True)
+    compiled = {op.name for op in g.get_operations() if _xla_compiled(op)}
+  # Each tower's forward and gradient ops; not the averaging or the update.
+  for name in ["tower_0/conv1/Conv2D", "tower_1/local3/MatMul",
+               "tower_1/gradients/tower_1/conv1/Conv2D_grad/"
+               "Conv2DBackpropFilter"]:
+    assert name in compiled
+  assert not [n for n in compiled if n.startswith(("Momentum", "average"))]
+  train_dir = str(tmp_path / "train")
+  assert mnist_train.train(train_dir=train_dir, data_dir=data_dir, xla=True,
+                           **REPLICATED_RUN) == 3
+  assert ("--xla: each tower's model and its gradient are compiled with XLA"
+          in absl_logs())
+  # one_copy_run's steps, within rounding: XLA fuses and reorders the math.
+  got, want = _checkpoint(train_dir), _checkpoint(one_copy)
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6,
+                               err_msg=name)
+
+
+def test_staged_inputs_train_the_same_steps_bit_for_bit(
+    one_copy_run, tmp_path, absl_logs):
+  data_dir, one_copy = one_copy_run[:2]
+  train_dir = str(tmp_path / "train")
+  assert mnist_train.train(train_dir=train_dir, data_dir=data_dir,
+                           stage_inputs=True, **REPLICATED_RUN) == 3
+  assert any(m.startswith("--stage_inputs: each tower's batches are read "
+                          "ahead") for m in absl_logs())
+  # The same batches in the same steps: each step takes the next two.
+  got, want = _checkpoint(train_dir), _checkpoint(one_copy)
+  assert sorted(got) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_staged_inputs_end_cleanly_with_the_data(tiny_mnist, tmp_path,
+                                                 monkeypatch):
+  # The scripts' training data repeat forever; an input that ends (six
+  # batches: three steps of two towers) ends training after its last
+  # staged batch, with the final checkpoint, not a hang or an error.
+  train_dataset = mnist_data.train_dataset
+  monkeypatch.setattr(mnist_data, "train_dataset",
+                      lambda *args, **kwargs: train_dataset(
+                          *args, **kwargs).take(6))
+  train_dir = str(tmp_path / "train")
+  started = time.time()
+  assert _train(tiny_mnist, train_dir, max_steps=100, stage_inputs=True,
+                save_checkpoint_steps=None, save_checkpoint_secs=3600) == 3
+  assert checkpoint_step(train_dir) == 3
+  assert time.time() - started < 60
 
 
 # The real data.
