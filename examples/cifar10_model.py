@@ -15,6 +15,15 @@ the tutorial (``conv1/weights`` ...), so that towers share them and a
 checkpoint has single-device names. Placement is left to the caller (the
 towers' device function puts variables on the CPU). The batch size is never
 fixed here: it comes from the images.
+
+With ``dtype=tf.float16`` (the training script's --use_fp16) the network
+asks for its weights in float16 and computes in it, as the tutorial's
+--use_fp16 did; under `towers.minimize`'s ``compute_dtype`` the variables
+are float32 master weights, so a checkpoint reads into the float32
+evaluation graph. Unlike the tutorial, the local response normalizations,
+the weight decay and the logits are computed in float32: LRN has no
+float16 GPU kernel (nor a bfloat16 CPU one), and a sum of squares or a
+softmax in float16 loses the small terms.
 """
 
 import re
@@ -59,22 +68,22 @@ def _activation_summary(x: tf.Tensor) -> None:
   scalar_summary("sparsity", tf.nn.zero_fraction(x))
 
 
-def _weights(shape, stddev: float) -> tf.Variable:
+def _weights(shape, stddev: float, dtype: tf.DType) -> tf.Tensor:
   return tf.get_variable(
-      "weights", shape, tf.float32,
+      "weights", shape, dtype,
       initializer=tf.truncated_normal_initializer(stddev=stddev))
 
 
-def _biases(size: int, value: float) -> tf.Variable:
-  return tf.get_variable("biases", [size], tf.float32,
+def _biases(size: int, value: float, dtype: tf.DType) -> tf.Tensor:
+  return tf.get_variable("biases", [size], dtype,
                          initializer=tf.constant_initializer(value))
 
 
 def _conv(x: tf.Tensor, name: str, depth: int, bias: float) -> tf.Tensor:
   with tf.variable_scope(name):
-    kernel = _weights([5, 5, int(x.shape[-1]), depth], stddev=5e-2)
+    kernel = _weights([5, 5, int(x.shape[-1]), depth], 5e-2, x.dtype)
     conv = tf.nn.conv2d(x, kernel, [1, 1, 1, 1], padding="SAME")
-    out = tf.nn.relu(tf.nn.bias_add(conv, _biases(depth, bias)))
+    out = tf.nn.relu(tf.nn.bias_add(conv, _biases(depth, bias, x.dtype)))
     _activation_summary(out)
   return out
 
@@ -85,24 +94,33 @@ def _pool(x: tf.Tensor, name: str) -> tf.Tensor:
 
 
 def _norm(x: tf.Tensor, name: str) -> tf.Tensor:
-  return tf.nn.lrn(x, 4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name=name)
+  # In float32 whatever x's dtype (see the module docstring); a no-op cast
+  # for float32.
+  out = tf.nn.lrn(tf.cast(x, tf.float32), 4, bias=1.0, alpha=0.001 / 9.0,
+                  beta=0.75, name=name)
+  return tf.cast(out, x.dtype)
 
 
-def inference(images: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+def inference(images: tf.Tensor, dtype: tf.DType = tf.float32
+             ) -> Tuple[tf.Tensor, tf.Tensor]:
   """Builds the network on a batch of images.
 
   Args:
     images: ``[batch, 24, 24, 3]`` float32, per-image standardized; the
       batch size may be unknown.
+    dtype: the dtype the network computes in: float32, or float16 (or
+      bfloat16): its weights are asked for in it and the images cast to it.
 
   Returns:
-    ``(logits, weight_decay)``: ``[batch, 10]`` unnormalized log
-    probabilities, and the scalar L2 weight-decay term of this call's fully
-    connected weights. Each call (each tower) returns its own term, so adding
-    it to the tower's loss counts the decay exactly once per tower.
+    ``(logits, weight_decay)``: ``[batch, 10]`` float32 unnormalized log
+    probabilities, and the scalar float32 L2 weight-decay term of this
+    call's fully connected weights (as the network computes with them).
+    Each call (each tower) returns its own term, so adding it to the
+    tower's loss counts the decay exactly once per tower.
   """
+  dtype = tf.as_dtype(dtype)
   decay = []
-  x = _conv(images, "conv1", 64, bias=0.0)
+  x = _conv(tf.cast(images, dtype), "conv1", 64, bias=0.0)
   x = _norm(_pool(x, "pool1"), "norm1")
   x = _conv(x, "conv2", 64, bias=0.1)
   x = _pool(_norm(x, "norm2"), "pool2")
@@ -110,14 +128,16 @@ def inference(images: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
   x = tf.reshape(x, [-1, x.shape[1:].num_elements()])
   for name, size in (("local3", 384), ("local4", 192)):
     with tf.variable_scope(name):
-      weights = _weights([int(x.shape[-1]), size], stddev=0.04)
-      decay.append(tf.multiply(tf.nn.l2_loss(weights), WEIGHT_DECAY,
-                               name="weight_loss"))
-      x = tf.nn.relu(tf.matmul(x, weights) + _biases(size, 0.1))
+      weights = _weights([int(x.shape[-1]), size], 0.04, dtype)
+      decay.append(tf.multiply(tf.nn.l2_loss(tf.cast(weights, tf.float32)),
+                               WEIGHT_DECAY, name="weight_loss"))
+      x = tf.nn.relu(tf.matmul(x, weights) + _biases(size, 0.1, dtype))
       _activation_summary(x)
   with tf.variable_scope("softmax_linear"):
-    weights = _weights([int(x.shape[-1]), NUM_CLASSES], stddev=1 / 192.0)
-    logits = tf.nn.bias_add(tf.matmul(x, weights), _biases(NUM_CLASSES, 0.0))
+    weights = _weights([int(x.shape[-1]), NUM_CLASSES], 1 / 192.0, dtype)
+    logits = tf.cast(tf.nn.bias_add(tf.matmul(x, weights),
+                                    _biases(NUM_CLASSES, 0.0, dtype)),
+                     tf.float32)
     _activation_summary(logits)
   return logits, tf.add_n(decay, name="weight_decay")
 

@@ -9,6 +9,8 @@
       --max_steps=100 --train_dir=/tmp/cifar10_fake  # speed only
   python examples/cifar10_multi_gpu_train.py --num_gpus=4 \
       --variable_device=replicated --train_dir=/tmp/cifar10_replicated
+  python examples/cifar10_multi_gpu_train.py --num_gpus=2 --use_fp16 \
+      --xla --stage_inputs --train_dir=/tmp/cifar10_fast  # the fast paths
 
 The working version of TensorFlow's ``cifar10_multi_gpu_train.py`` on
 `towers`: one replica of the network per GPU (``tower_0``, ``tower_1``, ...),
@@ -29,6 +31,20 @@ another mode. --all_reduce without --variable_device=replicated is refused.
 at most that many bytes (the biases and softmax_linear's weights) reduced in
 packs, in every mode: fewer transfers, the same results (bit for bit, but
 with --all_reduce=collective over 3 or more towers).
+
+--use_fp16 is the tutorial's flag with another meaning: the towers compute
+in float16, but the variables stay float32 (master weights, averaged,
+updated, averaged again by the moving averages and saved in float32 under
+their float32 names, so cifar10_eval.py reads the checkpoints as they are),
+and the loss is scaled dynamically (a step whose gradients overflow is
+skipped and the scale halved; the scale is logged with each step line and
+summarized as ``loss_scale``). The tutorial made the variables themselves
+float16 and scaled nothing, so small float16 gradients were lost and its
+checkpoints held float16 weights. The local response normalizations, the
+weight decay and the loss are computed in float32 (cifar10_model.py).
+--xla compiles each tower's network and gradient with XLA (the same
+results within rounding). --stage_inputs reads each tower's batches ahead,
+in a background queue runner, and stages them on its device.
 
 The data are fetched into --data_dir on first use (``cifar-10-binary.tar.gz``,
 about 170 MB, MD5-checked); offline, copy the tarball or its extracted
@@ -63,6 +79,7 @@ rotates out.
 """
 
 import collections
+import functools
 from typing import Optional, Sequence
 
 from absl import app
@@ -137,11 +154,18 @@ def learning_rate(global_step: tf.Tensor, examples_per_step: int,
   return tf.multiply(initial, factor, name="decayed_learning_rate")
 
 
-def tower_loss(scope: str, images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
-  """One tower's loss: the network on its own batch, with its weight decay."""
+def tower_loss(scope: str, images: tf.Tensor, labels: tf.Tensor, *,
+               use_fp16: bool = False, xla: bool = False) -> tf.Tensor:
+  """One tower's loss: the network on its own batch, with its weight decay.
+
+  With `use_fp16` the network computes in float16 (its loss in float32);
+  with `xla` it is built in an XLA ``jit_scope`` (`common.xla_scope`).
+  """
   del scope  # The towers collect the summaries by scope themselves.
-  logits, weight_decay = cifar10_model.inference(images)
-  return cifar10_model.loss(logits, labels, weight_decay)
+  with common.xla_scope(xla):
+    logits, weight_decay = cifar10_model.inference(
+        images, tf.float16 if use_fp16 else tf.float32)
+    return cifar10_model.loss(logits, labels, weight_decay)
 
 
 def build_train_graph(*, devices: Sequence[str], batch_size: int,
@@ -151,8 +175,9 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       shuffle_buffer: Optional[int] = None,
                       variable_device: str = "cpu",
                       all_reduce: str = "auto",
-                      pack_bytes: int = common.DEFAULT_PACK_BYTES
-                     ) -> TrainGraph:
+                      pack_bytes: int = common.DEFAULT_PACK_BYTES,
+                      use_fp16: bool = False, xla: bool = False,
+                      stage_inputs: bool = False) -> TrainGraph:
   """Builds the input pipeline, the towers and the step in the default graph.
 
   Everything outside the towers is built on the CPU, as in the tutorial;
@@ -177,6 +202,12 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
       gradients are summed (see `towers.build_towers`); else ``'auto'``.
     pack_bytes: the largest gradient, in bytes, reduced in a pack with
       others (see `towers.minimize`); 0 turns packing off.
+    use_fp16: the towers compute in float16 on float32 master weights,
+      with dynamic loss scaling (`towers.minimize`'s ``compute_dtype`` and
+      its default ``loss_scale``).
+    xla: whether each tower's network is built in an XLA ``jit_scope``.
+    stage_inputs: whether each tower's batches are read ahead and staged
+      on its device (`towers.minimize`'s ``stage_inputs``).
 
   Returns:
     A `TrainGraph`.
@@ -201,15 +232,18 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
         return iterator.get_next()
 
     opt = tf.train.GradientDescentOptimizer(lr)
-    apply_op, t = towers.minimize(tower_loss, opt, num_towers,
-                                  inputs=next_batch, devices=list(devices),
-                                  variable_device=variable_device,
-                                  all_reduce=all_reduce,
-                                  pack_bytes=pack_bytes,
-                                  global_step=global_step)
+    apply_op, t = towers.minimize(
+        functools.partial(tower_loss, use_fp16=use_fp16, xla=xla), opt,
+        num_towers, inputs=next_batch, devices=list(devices),
+        variable_device=variable_device, all_reduce=all_reduce,
+        pack_bytes=pack_bytes, global_step=global_step,
+        compute_dtype="float16" if use_fp16 else None,
+        stage_inputs=stage_inputs)
     # The tutorial groups the averaging with the update unordered, so its
     # average may read a variable before or after the update; here it
-    # always reads the updated value.
+    # always reads the updated value. (A step that loss scaling skips
+    # leaves the variables as they were; their averages still take a step
+    # towards them.)
     averages = tf.train.ExponentialMovingAverage(
         cifar10_model.MOVING_AVERAGE_DECAY, global_step)
     with tf.control_dependencies([apply_op]):
@@ -229,6 +263,8 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
           shuffle_buffer: Optional[int] = None,
           variable_device: str = "cpu", all_reduce: str = "auto",
           pack_bytes: int = common.DEFAULT_PACK_BYTES,
+          use_fp16: bool = False, xla: bool = False,
+          stage_inputs: bool = False,
           urls: Sequence[str] = cifar10_data.URLS) -> int:
   """Trains until the global step reaches `max_steps`; returns that step.
 
@@ -258,6 +294,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     all_reduce: one of `common.ALL_REDUCE`; other than ``'auto'`` only with
       ``variable_device='replicated'``.
     pack_bytes: as for `build_train_graph`, in every variable mode.
+    use_fp16, xla, stage_inputs: as for `build_train_graph`.
     urls: where to download the tarball from when it is absent.
 
   Returns:
@@ -270,7 +307,8 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
       if a session lacks a tower device.
     traindir.TrainDirError: if `train_dir` is in use by another trainer, or
       holds checkpoints it cannot safely resume from
-      (`traindir.prepare`).
+      (`traindir.prepare`), or that lack a variable of this run's graph (a
+      float32 run's, for `use_fp16`: `traindir.check_restores`).
     common.Interrupted: after SIGTERM or SIGINT, once the checkpoint is
       saved.
     common.DownloadError: if the data are absent and cannot be downloaded.
@@ -312,9 +350,14 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
                             initial_learning_rate=initial_learning_rate,
                             shuffle_buffer=shuffle_buffer,
                             variable_device=variable_device,
-                            all_reduce=all_reduce, pack_bytes=pack_bytes)
+                            all_reduce=all_reduce, pack_bytes=pack_bytes,
+                            use_fp16=use_fp16, xla=xla,
+                            stage_inputs=stage_inputs)
+      traindir.check_restores(state, tf.global_variables())
       common.log_variables(g.towers, variable_device, all_reduce)
       common.log_packing(g.towers, pack_bytes)
+      common.log_fast_paths(g.towers, "float16" if use_fp16 else "float32",
+                            xla, stage_inputs, precision_flag="--use_fp16")
       with tf.device(CPU):  # The saver, as in the tutorial.
         return common.run_training(
             g.train_op, g.loss, g.global_step, g.summary_op,
@@ -322,7 +365,8 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
             examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
             config=config, log_every=log_frequency,
             save_checkpoint_steps=save_checkpoint_steps,
-            save_summaries_steps=save_summaries_steps)
+            save_summaries_steps=save_summaries_steps,
+            loss_scale=g.towers.loss_scale)
 
 
 FLAGS = flags.FLAGS
@@ -350,6 +394,13 @@ def define_flags() -> None:
                        "summaries (0: none).")
   common.define_variable_flags()
   common.define_pack_bytes_flag()
+  flags.DEFINE_boolean("use_fp16", False, "Compute in float16, as the "
+                       "tutorial's flag, but on float32 master weights "
+                       "(averaged, updated and saved in float32, under the "
+                       "float32 names) with dynamic loss scaling; the "
+                       "tutorial made the variables themselves float16 and "
+                       "scaled nothing.")
+  common.define_xla_and_staging_flags()
   common.register_flag_checks(BOUNDS, directories=["train_dir", "data_dir"])
 
 
@@ -366,7 +417,8 @@ def main(argv):
       save_checkpoint_steps=FLAGS.save_checkpoint_steps,
       save_summaries_steps=FLAGS.save_summaries_steps,
       variable_device=FLAGS.variable_device, all_reduce=FLAGS.all_reduce,
-      pack_bytes=FLAGS.pack_bytes), expected)
+      pack_bytes=FLAGS.pack_bytes, use_fp16=FLAGS.use_fp16, xla=FLAGS.xla,
+      stage_inputs=FLAGS.stage_inputs), expected)
 
 
 if __name__ == "__main__":

@@ -645,6 +645,82 @@ def test_replicated_checkpoints_are_evaluated_and_resumed_as_one_copy(
   assert _train(data_dir, train_dir, 4) == 4
 
 
+# The fast paths: --use_fp16, --xla, --stage_inputs.
+
+
+def test_use_fp16_saves_float32_weights_and_averages_for_eval(
+    trained, data_dir, tmp_path):
+  train_dir = str(tmp_path / "train")
+  with _Messages() as log:
+    assert _train(data_dir, train_dir, 3, log_frequency=1,
+                  save_summaries_steps=3, use_fp16=True) == 3
+  assert any(m.startswith("--use_fp16: the towers compute in float16 on "
+                          "float32 master weights") for m in log.messages)
+  steps = [m for m in log.messages if m.startswith("step ")]
+  assert len(steps) == 3
+  # Dynamic loss scaling starts at 2**15; no step of these overflows.
+  assert all(m.endswith(", loss scale = 32768") for m in steps), steps
+  losses = [float(m.split("loss = ")[1].split()[0]) for m in steps]
+  assert all(np.isfinite(losses)) and 4.3 < losses[0] < 5.1
+  tags = set()
+  for name in os.listdir(train_dir):
+    if name.startswith("events.out.tfevents"):
+      for event in tf.train.summary_iterator(os.path.join(train_dir, name)):
+        tags.update(v.tag for v in event.summary.value)
+  assert {"loss_scale", "total_loss", "conv1/activations"} <= tags
+  # The float32 run's variables and moving averages, all float32, and the
+  # loss scale.
+  path = tf.train.latest_checkpoint(train_dir)
+  names = [n for n, _ in tf.train.list_variables(path)]
+  assert sorted(names) == sorted(
+      [n for n, _ in tf.train.list_variables(
+          tf.train.latest_checkpoint(trained[0]))]
+      + ["loss_scale", "loss_scale_good_steps"])
+  for name in names:
+    if name != "global_step":
+      assert tf.train.load_variable(path, name).dtype == np.float32, name
+  # cifar10_eval, in float32, restores the averages as they are.
+  g = cifar10_eval.build_eval_graph(
+      cifar10_data.data_files(data_dir, train=False), TEST_IMAGES, BATCH)
+  result = cifar10_eval.evaluate_checkpoint(g, path)
+  assert (result.count, result.global_step) == (TEST_IMAGES, 3)
+
+
+def test_stage_inputs_trains_to_max_steps(data_dir, tmp_path):
+  train_dir = str(tmp_path / "train")
+  with _Messages() as log:
+    assert _train(data_dir, train_dir, 3, log_frequency=1,
+                  stage_inputs=True) == 3
+  assert any(m.startswith("--stage_inputs: each tower's batches are read "
+                          "ahead") for m in log.messages)
+  assert len(_logged_losses(log.messages)) == 3
+  assert tf.train.load_variable(train_dir, "global_step") == 3
+
+
+def test_xla_compiles_each_towers_network_and_gradient():
+  with tf.Graph().as_default() as g:
+    cifar10_multi_gpu_train.build_train_graph(
+        devices=["/cpu:0", "/cpu:1"], batch_size=4, train_files=None,
+        examples_per_epoch=50000, xla=True)
+
+    def compiled(op):
+      try:
+        return op.get_attr("_XlaCompile")
+      except ValueError:
+        return False
+
+    names = {op.name for op in g.get_operations() if compiled(op)}
+  for i in range(NUM_TOWERS):
+    for name in ["conv1/Conv2D", "norm1", "local4/MatMul",
+                 "gradients/tower_%d/conv2/Conv2D_grad/Conv2DBackpropInput"
+                 % i]:
+      assert "tower_%d/%s" % (i, name) in names
+  # Not the averaging, the update or the moving averages.
+  assert not [n for n in names if not n.startswith("tower_")
+              and not n.startswith(("conv", "local", "softmax_linear"))]
+  assert not [n for n in names if "ExponentialMovingAverage" in n]
+
+
 # Evaluation.
 
 
