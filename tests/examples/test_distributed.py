@@ -131,8 +131,11 @@ def test_sigterm_to_the_cluster_has_the_chief_save_before_the_ps_stop(
     data_dir, tmp_path):
   train_dir = str(tmp_path / "train")
   log = Log()
+  # With the fast paths a cluster takes: bfloat16 (float16 is refused) and
+  # staged inputs, whose reader is stopped with the session.
   args = _train_args(data_dir, train_dir, 100000,
-                     "--save_checkpoint_secs=3600")
+                     "--save_checkpoint_secs=3600", "--precision=bfloat16",
+                     "--stage_inputs")
   args.remove("--save_checkpoint_steps=20")
   with launch_local_cluster.Cluster(TRAIN, 1, 1, args, out=log) as c:
     c.start_all()
@@ -145,6 +148,9 @@ def test_sigterm_to_the_cluster_has_the_chief_save_before_the_ps_stop(
   assert len(saved) == 1, log.text()[-4000:]
   assert tf.train.load_variable(train_dir, "global_step") == int(saved[0])
   assert "Traceback" not in log.text(), log.text()[-4000:]
+  for words in ["--precision=bfloat16: the towers compute in bfloat16",
+                "--stage_inputs: each tower's batches are read ahead"]:
+    assert words in log.text()
 
 
 # A stand-in task for the launcher: it records when it starts, when it gets
