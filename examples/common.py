@@ -160,18 +160,18 @@ def define_pack_bytes_flag() -> None:
 PRECISIONS = ("float32", "float16", "bfloat16")
 
 
-def check_fast_path_flags(precision: str, stage_inputs: bool,
-                          distributed: bool = False) -> None:
-  """Checks --precision and --stage_inputs, alone and with a cluster.
+def check_precision(precision: str, distributed: bool = False) -> None:
+  """Checks --precision, alone and with a cluster.
 
   In a cluster (--ps_hosts) a ``tf.train.SyncReplicasOptimizer`` applies
   the workers' gradients, and it needs every worker's gradients at every
   step, so float16's loss scaling, which skips the steps whose gradients
-  overflow, cannot work there; bfloat16 needs no loss scaling.
+  overflow, cannot work there; bfloat16 needs no loss scaling. (The other
+  fast paths, --xla and --stage_inputs, work in a cluster.)
 
   Raises:
-    FlagError: for an unknown precision, or a combination that cannot
-      work, naming the flags and the fix.
+    FlagError: for an unknown precision, or float16 in a cluster, naming
+      the flags and the fix.
   """
   if precision not in PRECISIONS:
     raise FlagError("--precision=%s must be one of %s"
@@ -183,7 +183,6 @@ def check_fast_path_flags(precision: str, stage_inputs: bool,
         "every worker's gradients at every step: use --precision=bfloat16 "
         "(float32's range, no loss scaling), or train without --ps_hosts and "
         "--worker_hosts")
-  del stage_inputs  # TODO
 
 
 def define_precision_flag(note: str = "") -> None:
@@ -291,12 +290,10 @@ def register_flag_checks(bounds: Mapping[str, Bounds],
 
   A flag out of its `bounds`, a directory flag naming a file, a
   --variable_device and --all_reduce combination `check_variable_flags`
-  refuses, or a --precision or --stage_inputs a cluster cannot take
-  (`check_fast_path_flags`), then stops the script before anything is
-  built, with one line naming the flag (``flag --batch_size=0: must be >=
-  1``). Only flags that
-  are defined are checked: `bounds` may also hold `train` arguments that are
-  not flags.
+  refuses, or a --precision a cluster cannot take (`check_precision`), then
+  stops the script before anything is built, with one line naming the flag
+  (``flag --batch_size=0: must be >= 1``). Only flags that are defined are
+  checked: `bounds` may also hold `train` arguments that are not flags.
   """
   for name, b in bounds.items():
     if name in flags.FLAGS:
@@ -313,8 +310,7 @@ def register_flag_checks(bounds: Mapping[str, Bounds],
       (("variable_device", "all_reduce"), _check_variable_flags),
       (("variable_device", "ps_hosts", "worker_hosts"),
        _check_variable_flags),
-      (("precision", "stage_inputs", "ps_hosts", "worker_hosts"),
-       _check_fast_path_flags)):
+      (("precision", "ps_hosts", "worker_hosts"), _check_precision)):
     if all(n in flags.FLAGS for n in names):
       flags.register_multi_flags_validator(names, check)
 
@@ -329,11 +325,10 @@ def _check_variable_flags(values: Mapping[str, object]) -> bool:
   return True
 
 
-def _check_fast_path_flags(values: Mapping[str, object]) -> bool:
+def _check_precision(values: Mapping[str, object]) -> bool:
   try:
-    check_fast_path_flags(
-        values["precision"], values["stage_inputs"],
-        bool(values.get("ps_hosts") or values.get("worker_hosts")))
+    check_precision(values["precision"],
+                    bool(values.get("ps_hosts") or values.get("worker_hosts")))
   except FlagError as e:
     raise flags.ValidationError(str(e)) from None
   return True

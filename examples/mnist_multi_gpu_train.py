@@ -335,9 +335,9 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   Raises:
     common.FlagError: for an argument out of its `BOUNDS`, a directory that
       is a file, a `variable_device` and `all_reduce` combination that
-      cannot work (`common.check_variable_flags`), or a `precision` or
-      `stage_inputs` a cluster cannot take (`common.check_fast_path_flags`);
-      common.DeviceError (one) if a session lacks a tower device.
+      cannot work (`common.check_variable_flags`), or a `precision` a
+      cluster cannot take (`common.check_precision`); common.DeviceError
+      (one) if a session lacks a tower device.
     traindir.TrainDirError: if `train_dir` is in use by another trainer, or
       holds checkpoints it cannot safely resume from (or that lack a
       variable of this run's graph: a float32 run's, for float16).
@@ -364,7 +364,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   common.check_dir("data_dir", data_dir)
   distributed = bool(ps_hosts or worker_hosts)
   common.check_variable_flags(variable_device, all_reduce, distributed)
-  common.check_fast_path_flags(precision, stage_inputs, distributed)
+  common.check_precision(precision, distributed)
   replicas = 1
   if distributed:
     replicas = replicas_to_aggregate or len(worker_hosts)
