@@ -619,17 +619,18 @@ def batch_norm_markdown(results: Dict[str, object]) -> List[str]:
   return lines
 
 
-def _on_devices(devices: Dict[str, List[str]]) -> str:
-  """Says where the rows ran, and what that lets them show."""
+def _on_devices(devices: Dict[str, List[str]], cpu_caveat: str) -> str:
+  """Says where the rows ran, and what that lets them show.
+
+  `cpu_caveat` says why virtual CPU devices show overhead only.
+  """
   listed = "; ".join("%s towers: %s" % (n, ", ".join(d))
                      for n, d in devices.items())
   if all("gpu" in d.lower() for names in devices.values() for d in names):
     return "On GPUs (%s): the rows show the fast paths' effect." % listed
-  return ("On virtual CPU devices (%s): the rows show overhead only. The "
-          "devices share host memory, so a staged copy is one that was "
-          "free; float16 has no fast CPU kernels; bfloat16 is fast only "
-          "where oneDNN finds bf16 instructions; XLA compiles for the CPU. "
-          "With enough GPUs the same rows run on them." % listed)
+  return ("On virtual CPU devices (%s): the rows show overhead only: %s. "
+          "With enough GPUs the same rows run on them." % (listed,
+                                                            cpu_caveat))
 
 
 def _counted(side: Dict[str, object]) -> str:
@@ -672,7 +673,9 @@ def fast_paths_markdown(results: Dict[str, object]) -> List[str]:
               "devices inside the timed step (the staged step's copies run "
               "in its reader's steps instead). Parameters: MiB through the "
               "busiest device per step (expected). " +
-              _on_devices(staging["devices"]), "",
+              _on_devices(staging["devices"], "the devices share host "
+                          "memory, so a staged copy is one that was free"),
+              "",
               "| workload | towers | staged step ms (median [q1, q3]) | "
               "unstaged step ms (median [q1, q3]) | staged / unstaged "
               "examples/sec | input MiB in the step, staged / unstaged | "
@@ -719,7 +722,10 @@ def fast_paths_markdown(results: Dict[str, object]) -> List[str]:
               "MiB through the busiest device per step (expected: the "
               "float32 master weights and gradients cross, whatever the "
               "towers compute in). No target. " +
-              _on_devices(precision["devices"]), "",
+              _on_devices(precision["devices"], "float16 has no fast CPU "
+                          "kernels, bfloat16 is fast only where oneDNN "
+                          "finds bf16 instructions, and XLA compiles for "
+                          "the CPU"), "",
               "| workload | variant | towers | examples/sec | x float32 | "
               "step ms (median [q1, q3]) | first step s | parameters MiB "
               "(expected) |",
