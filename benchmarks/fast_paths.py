@@ -26,8 +26,9 @@ instructions to use, and XLA compiles for the CPU. With enough GPUs the
 same rows run on them (`towers.tower_devices`) and show the effect.
 
 A variant whose step cannot run on these devices (no kernel of an op for
-its dtype, as the CIFAR-10 CNN's local response normalization in bfloat16
-on CPU) is reported as not run, with the reason, not timed.
+its dtype: TensorFlow's CPUs have no bfloat16 local response normalization,
+which the CIFAR-10 CNN computes in float32 for that reason) is reported as
+not run, with the reason, not timed: one row, not the whole run, is lost.
 """
 
 import re
