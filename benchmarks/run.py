@@ -43,7 +43,7 @@ during which other processes kept the machine busy is repeated once they
 are quiet (within --quiet_wait_minutes); the cores they used are recorded
 per round. Results go to ``--out``: results.json, results.md and
 examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
-``--quick`` runs a small version in under a minute, to check that everything
+``--quick`` runs a small version in about a minute, to check that everything
 runs: its results (in their own default directory) say they are a quick run,
 and it gives no verdicts on the targets. A section given no sizes is skipped:
 ``--workloads= --packing_kib= --averaging_shape= --build_towers=`` runs the
