@@ -286,6 +286,16 @@ def test_missing_batch_file_is_named(tmp_path):
 # Download and extraction, from loopback only.
 
 
+def _summary_tags(train_dir):
+  """Every summary tag in the event files of `train_dir`."""
+  tags = set()
+  for name in os.listdir(train_dir):
+    if name.startswith("events.out.tfevents"):
+      for event in tf.train.summary_iterator(os.path.join(train_dir, name)):
+        tags.update(v.tag for v in event.summary.value)
+  return tags
+
+
 def _tarball(members):
   """A gzipped tar of {name: bytes}; None bytes make a symlink."""
   buf = io.BytesIO()
@@ -429,11 +439,7 @@ def test_training_on_two_virtual_cpu_towers_lowers_the_loss(trained):
 def test_summaries_have_the_final_towers_learning_rate_and_histograms(
     trained):
   train_dir, _, _ = trained
-  tags = set()
-  for name in os.listdir(train_dir):
-    if name.startswith("events.out.tfevents"):
-      for event in tf.train.summary_iterator(os.path.join(train_dir, name)):
-        tags.update(v.tag for v in event.summary.value)
+  tags = _summary_tags(train_dir)
   for tag in ["learning_rate", "loss", "total_loss", "cross_entropy",
               "weight_decay", "conv1/activations", "local3/sparsity",
               "conv1/weights", "conv1/weights/gradients"]:
@@ -622,11 +628,7 @@ def test_replicated_checkpoints_are_evaluated_and_resumed_as_one_copy(
   names = sorted(n for n, _ in tf.train.list_variables(path))
   assert names == sorted(n for n, _ in tf.train.list_variables(
       tf.train.latest_checkpoint(trained[0])))
-  tags = set()
-  for name in os.listdir(train_dir):
-    if name.startswith("events.out.tfevents"):
-      for event in tf.train.summary_iterator(os.path.join(train_dir, name)):
-        tags.update(v.tag for v in event.summary.value)
+  tags = _summary_tags(train_dir)
   assert {"conv1/weights", "conv1/weights/gradients", "total_loss"} <= tags
   assert not [t for t in tags if t.startswith(("replica_", "tower_"))]
   # cifar10_eval restores the moving averages of copy 0.
@@ -662,11 +664,7 @@ def test_use_fp16_saves_float32_weights_and_averages_for_eval(
   assert all(m.endswith(", loss scale = 32768") for m in steps), steps
   losses = [float(m.split("loss = ")[1].split()[0]) for m in steps]
   assert all(np.isfinite(losses)) and 4.3 < losses[0] < 5.1
-  tags = set()
-  for name in os.listdir(train_dir):
-    if name.startswith("events.out.tfevents"):
-      for event in tf.train.summary_iterator(os.path.join(train_dir, name)):
-        tags.update(v.tag for v in event.summary.value)
+  tags = _summary_tags(train_dir)
   assert {"loss_scale", "total_loss", "conv1/activations"} <= tags
   # The float32 run's variables and moving averages, all float32, and the
   # loss scale.
