@@ -271,14 +271,17 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
                                            allow_empty=allow_empty)
   # A staged batch is sized from what was staged, as a callable's is.
   sized = callable(inputs) or stage_inputs
-  scopes, staged = [], None
+  # The towers' name scopes; staging opens them first, to read the batches,
+  # and the towers re-enter them.
+  names = ["%s_%d" % (tower_name, i) for i in range(num_towers)]
+  staged = None
   if stage_inputs:
-    scopes, staged = _read_staged(inputs, shards, devices, placer, tower_name)
+    names, staged = _read_staged(inputs, shards, devices, placer, names)
     weights = None
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
   group = _context.Group(devices, uniform=not sized and (
       weights is None or _gradients.is_uniform(weights)))
-  results, batches, sizes = [], [], []
+  results, scopes, batches, sizes = [], [], [], []
   # No auxiliary name scope: re-entering the caller's variable scope would
   # otherwise open its name scope again inside itself (model/model/tower_0).
   with tf.variable_scope(tf.get_variable_scope(), auxiliary_name_scope=False):
@@ -286,9 +289,8 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
       known = len(trainable)
       copies = _replicas.tower_copies(i, device) if replicated \
           else contextlib.nullcontext()
-      name = scopes[i] if staged else "%s_%d" % (tower_name, i)
       with _placement.tower_placement(device, placer), copies, \
-          tf.name_scope(name) as scope:
+          tf.name_scope(names[i]) as scope:
         batch = staged[i] if staged else _inputs.tower_batch(inputs, shards, i)
         size = _inputs.batch_size(batch) if sized else None
         sizes.append(size)
@@ -304,8 +306,7 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
           raise _unshared_variable_error(trainable[known], scope)
         # Later towers reuse tower 0's variables.
         tf.get_variable_scope().reuse_variables()
-      if not staged:
-        scopes.append(scope)
+      scopes.append(scope)
       batches.append(batch)
   group.check_complete()
   if weights is None:
@@ -318,7 +319,7 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
 
 def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
                  devices: List[str], placer: _placement.DeviceFn,
-                 tower_name: str):
+                 names: List[str]):
   """Reads every tower's batch in its scope, in tower order, and stages it.
 
   Returns the towers' name scopes (the towers are built in them afterwards)
@@ -327,10 +328,10 @@ def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
   scopes: List[str] = []
   batches: List[List[object]] = []
   previous: List[tf.Tensor] = []
-  for i, device in enumerate(devices):
+  for i, (device, name) in enumerate(zip(devices, names)):
     # A callable is read tower after tower, so tower i gets the i-th batch.
     with _placement.tower_placement(device, placer), \
-        tf.name_scope("%s_%d" % (tower_name, i)) as scope, \
+        tf.name_scope(name) as scope, \
         tf.control_dependencies(previous):
       batch = _inputs.tower_batch(inputs, shards, i)
     previous = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
