@@ -13,7 +13,8 @@ import towers
 def test_public_surface_is_pinned():
   assert sorted(towers.__all__) == [
       "GradsAndVars", "TowerContext", "Towers", "average_gradients",
-      "batch_normalization", "build_towers", "infer", "minimize",
+      "batch_normalization", "broadcast_variables", "build_towers", "infer",
+      "minimize",
       "tower_context", "tower_devices", "virtual_cpu_config"]
   public = {name for name in vars(towers) if not name.startswith("_")}
   assert public == set(towers.__all__)

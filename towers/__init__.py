@@ -1,6 +1,7 @@
 """In-graph multi-GPU data parallelism for TensorFlow 1.x-style graphs."""
 
 from towers._batch_norm import batch_normalization
+from towers._broadcast import broadcast_variables
 from towers._context import tower_context
 from towers._context import TowerContext
 from towers._devices import tower_devices
@@ -20,6 +21,7 @@ __all__ = [
     "Towers",
     "average_gradients",
     "batch_normalization",
+    "broadcast_variables",
     "build_towers",
     "infer",
     "minimize",

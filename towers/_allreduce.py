@@ -33,6 +33,10 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
+from towers import _workers
+
+canonical = _workers.canonical
+
 ALGORITHMS = ("add_n", "ring", "collective")
 CHOICES = ("auto",) + ALGORITHMS
 
@@ -50,8 +54,9 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
   """Returns the algorithm `all_reduce` stands for on `devices`.
 
   ``"auto"`` is ``"collective"`` (NCCL) when every device is a distinct
-  GPU, and ``"add_n"`` otherwise: between CPU devices of one host there is
-  no link to spare, and ``"add_n"`` is bitwise the one-copy mode.
+  GPU or the graph is one of several workers' (`_workers`), and
+  ``"add_n"`` otherwise: between CPU devices of one host there is no link
+  to spare, and ``"add_n"`` is bitwise the one-copy mode.
 
   Raises:
     ValueError: for an unknown name, or ``"collective"`` with two towers on
@@ -60,6 +65,8 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
   check_name(all_reduce)
   spelled = [canonical(d) for d in devices]
   distinct = len(set(spelled)) == len(spelled)
+  if all_reduce == "auto" and _workers.count() > 1:
+    all_reduce = "collective"
   if all_reduce == "auto":
     gpus = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
                for d in spelled)
@@ -72,12 +79,6 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
         "all_reduce='ring' or 'add_n', or one tower per device"
         % ", ".join(devices))
   return all_reduce
-
-
-def canonical(device: str) -> str:
-  """`device` with its type in capitals: one spelling per device."""
-  spec = tf.DeviceSpec.from_string(device)
-  return spec.replace(device_type=(spec.device_type or "").upper()).to_string()
 
 
 def all_sum(tensors: Sequence[tf.Tensor], devices: Sequence[str],
@@ -155,21 +156,13 @@ def _chunk_sizes(flat: tf.Tensor, n: int):
                    for i in range(n)])
 
 
-# Per graph: the group key of each device set, and the last instance key.
-_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def group_key(devices: Sequence[str]) -> int:
-  """The collective group key of `devices` in the default graph: one per
-  set of devices, whatever their order."""
-  groups, _ = _KEYS.setdefault(tf.get_default_graph(), ({}, [0]))
-  members = tuple(sorted(canonical(d) for d in devices))
-  return groups.setdefault(members, len(groups) + 1)
+# Per graph: the last instance key.
+_INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def instance_key() -> int:
   """A new collective instance key, unique in the default graph."""
-  _, instances = _KEYS.setdefault(tf.get_default_graph(), ({}, [0]))
+  instances = _INSTANCES.setdefault(tf.get_default_graph(), [0])
   instances[0] += 1
   return instances[0]
 
@@ -185,16 +178,36 @@ def member(tensor: tf.Tensor, group_size: int, group: int,
       final_op="Id", communication_hint="nccl")
 
 
+def all_gather(tensors: Sequence[tf.Tensor], device: str,
+               launched: Dict[str, tf.Operation]) -> List[tf.Tensor]:
+  """Concatenates each of `tensors` (on `device`) with its peers on the
+  other workers along axis 0, worker after worker (``CollectiveGatherV2``;
+  every worker's must have the same shape at run time)."""
+  size, group = _workers.group([device])
+  results = []
+  for tensor in tensors:
+    previous = launched.get(canonical(device))
+    with tf.device(device), tf.control_dependencies(
+        [previous] if previous is not None else []):
+      gathered = tf.raw_ops.CollectiveGatherV2(
+          input=tensor, group_size=size, group_key=group,
+          instance_key=instance_key(), ordering_token=[],
+          communication_hint="auto")
+    launched[canonical(device)] = gathered.op
+    results.append(gathered)
+  return results
+
+
 def _collective(tensors: Sequence[tf.Tensor], devices: Sequence[str],
                 launched: Dict[str, tf.Operation]) -> List[tf.Tensor]:
-  group = group_key(devices)
+  size, group = _workers.group(devices)
   instance = instance_key()
   outputs = []
   for tensor, device in zip(tensors, devices):
     previous = launched.get(canonical(device))
     with tf.device(device), tf.control_dependencies(
         [previous] if previous is not None else []):
-      outputs.append(member(tensor, len(tensors), group, instance))
+      outputs.append(member(tensor, size, group, instance))
   ops = [o.op for o in outputs]
   tied = []
   for output, device in zip(outputs, devices):

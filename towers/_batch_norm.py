@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Union
 import tensorflow.compat.v1 as tf
 
 from towers import _context
+from towers import _workers
 
 _DEFAULT_NAME = "batch_normalization"
 
@@ -205,7 +206,8 @@ def _moments(x: tf.Tensor, reduced: List[int],
   the global batch's inside towers."""
   shape = tf.shape(x)
   count = tf.cast(tf.reduce_prod(tf.gather(shape, reduced)), x.dtype)
-  if context is None or context.num_towers == 1:
+  if context is None or (context.num_towers == 1
+                         and _workers.count() == 1):
     mean, variance = tf.nn.moments(x, reduced, keepdims=True)
     return mean, variance, count
   with tf.name_scope("global_moments"):

@@ -30,6 +30,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
+from towers import _workers
 
 Share = Union[float, tf.Tensor]
 
@@ -88,10 +89,11 @@ class TowerContext:
     and shape: the k-th call of each tower is one collective
     (``CollectiveReduceV2`` with the NCCL hint: NCCL between GPUs, a ring
     between CPUs), on this tower's device. With one tower it is an
-    identity. Its gradient is a cross-tower sum too, weighted by the towers'
-    shares of the global batch so that the averaged gradients are the
-    global batch's; build it inside the tower (as `build_towers` does with
-    ``opt.compute_gradients``).
+    identity. In towers built with ``num_workers > 1`` the sum is over
+    every tower of every worker. Its gradient is a cross-tower sum too,
+    weighted by the towers' shares of the global batch so that the averaged
+    gradients are the global batch's; build it inside the tower (as
+    `build_towers` does with ``opt.compute_gradients``).
 
     Args:
       tensor: a dense tensor (or what converts to one).
@@ -110,7 +112,7 @@ class TowerContext:
     """
     with tf.name_scope(name, "all_sum"):
       tensor = tf.convert_to_tensor(tensor)
-      if self.num_towers == 1:
+      if self.num_towers == 1 and _workers.count() == 1:
         return tf.identity(tensor)
       return self._group.all_sum(self._index, tensor)
 
@@ -263,8 +265,7 @@ class Group:
     with tf.device(device):
       with tf.control_dependencies([previous] if previous is not None
                                    else []):
-        output = _allreduce.member(tensor, len(self.devices),
-                                   _allreduce.group_key(self.devices),
+        output = _allreduce.member(tensor, *_workers.group(self.devices),
                                    self._instances[k])
       members[index] = output.op
       self.launched[spelled] = output.op

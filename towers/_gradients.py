@@ -9,6 +9,7 @@ from towers import _allreduce
 from towers import _context
 from towers import _packing
 from towers import _replicas
+from towers import _workers
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
 GradsAndVars = List[Tuple[Optional[Gradient], tf.Variable]]
@@ -42,6 +43,13 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
   is one step (`minimize` applies it so that the copies' slots stay out of
   checkpoints). Sparse gradients are gathered on copy 0's device (kept
   sparse) and that one ``tf.IndexedSlices`` goes to every copy.
+
+  In the graph of one of several workers (towers built with
+  ``num_workers > 1``), the all-reduce's group holds every tower of every
+  worker, and each worker gets the mean of the workers' averages (each
+  worker's `weights` summing to 1); a gradient its towers share is averaged
+  on the worker, then all-reduced with the other workers' from its first
+  tower device; sparse slices are gathered from every worker.
 
   No averaged gradient is ready before every tower has read its variable,
   so ``opt.apply_gradients(average_gradients(...))`` with
@@ -140,7 +148,7 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
     # A collective all-reduce launches after the towers' own cross-tower
     # sums on each device (one launch order per device: see _context).
     launched = _context.launched_before(flat) \
-        if algorithm == "collective" else {}
+        if algorithm == "collective" or _workers.count() > 1 else {}
     for unit in _packing.group(keys):
       members = [positions[i] for i in unit]
       first = members[0]
@@ -436,6 +444,7 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
         % (_var_name(var), ", ".join(map(str, missing))))
   present: List[Gradient] = [g for g in grads if g is not None]
   sparse = [isinstance(g, tf.IndexedSlices) for g in present]
+  workers = _workers.count()
   if any(sparse) and not all(sparse):
     # Dense in some towers and sparse in others: only possible when the
     # towers' models differ. Converting all to dense is exact.
@@ -452,24 +461,43 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
     with tf.device(devices[0]), tf.control_dependencies(barrier):
       values = _combine(values, lambda t: tf.concat(t, 0), uniform)
       indices = _combine(indices, lambda t: tf.concat(t, 0), False)
+    if workers > 1:
+      # Every worker's slices, worker after worker (the order one worker's
+      # towers would have), then the workers' mean.
+      home = _workers.home()
+      values, indices = _allreduce.all_gather([values, indices], home,
+                                              launched)
+      with tf.device(home):
+        values = values * tf.constant(1.0 / workers, values.dtype)
     return [tf.IndexedSlices(values, indices, present[0].dense_shape)
            ] * len(devices)
   if not uniform:
     present = [_scaled(g, w) for g, w in zip(present, weights)]
   if len(devices) == 1 or algorithm == "add_n":
     with tf.device(devices[0]), tf.control_dependencies(barrier):
-      return [_combine(present, _sum_in_order, uniform)] * len(devices)
+      local = _combine(present, _sum_in_order, uniform)
+    if workers == 1:
+      return [local] * len(devices)
+    # The worker's average, all-reduced with the other workers' from this
+    # worker's first tower device, and their mean read by every copy.
+    total, = _allreduce.all_sum([local], [_workers.home()], "collective",
+                                launched)
+    with tf.device(_workers.home()):
+      return [total * tf.constant(1.0 / workers, total.dtype)] * len(devices)
   inputs = []
   for g, d, wait in zip(present, devices, waits):
     with tf.device(d), tf.control_dependencies(wait):
       inputs.append(tf.identity(g))
+  # Across workers the group holds every worker's towers: each worker's
+  # weights sum to 1, and the workers count equally.
   sums = _allreduce.all_sum(inputs, devices, algorithm, launched, chunks)
-  if not uniform:
+  divisor = workers * (len(sums) if uniform else 1)
+  if divisor == 1:
     return sums
   averaged = []
   for total, d in zip(sums, devices):
     with tf.device(d):
-      averaged.append(total * tf.constant(1.0 / len(sums), total.dtype))
+      averaged.append(total * tf.constant(1.0 / divisor, total.dtype))
   return averaged
 
 

@@ -32,6 +32,15 @@ Gradient = Union[tf.Tensor, tf.IndexedSlices]
 # Per graph: copy op name -> (copy 0, index), and (copy 0 op name, index) ->
 # copy.
 _REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per graph: (local variable, the global variable it is set from): the
+# copies and their optimizer slots.
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sources() -> List[Tuple[tf.Variable, tf.Variable]]:
+  """Every copy and copy's slot of the default graph, each with the
+  variable of copy 0 it is set from (its primary, or the primary's slot)."""
+  return list(_SOURCES.get(tf.get_default_graph(), []))
 
 
 def _tables(graph: tf.Graph) -> Tuple[Dict[str, Tuple[tf.Variable, int]],
@@ -99,6 +108,7 @@ def _copy(next_getter, primary: tf.Variable, index: int,
   copies, by_primary = _tables(copy.graph)
   copies[copy.op.name] = (primary, index)
   by_primary[(primary.op.name, index)] = copy
+  _SOURCES.setdefault(copy.graph, []).append((copy, primary))
   return copy
 
 
@@ -186,7 +196,9 @@ def local_slots() -> Iterator[None]:
       kwargs["initial_value"] = slot.read_value
       kwargs["collections"] = [tf.GraphKeys.LOCAL_VARIABLES]
       kwargs["trainable"] = False
-      break
+      made = next_creator(**kwargs)
+      _SOURCES.setdefault(graph, []).append((made, slot))
+      return made
     return next_creator(**kwargs)
 
   with tf.variable_creator_scope(creator):

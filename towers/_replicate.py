@@ -16,6 +16,7 @@ from towers import _placement
 from towers import _precision
 from towers import _replicas
 from towers import _staging
+from towers import _workers
 
 Towers = collections.namedtuple("Towers", [
     "losses", "loss", "tower_grads", "weights", "scopes", "devices",
@@ -60,6 +61,7 @@ def build_towers(model_fn: Callable[..., object],
                  all_reduce: str = "auto",
                  compute_dtype: _precision.ComputeDtype = None,
                  stage_inputs: bool = False,
+                 num_workers: int = 1,
                  **compute_gradients_kwargs) -> Towers:
   """Builds one model replica per device and computes each one's gradients.
 
@@ -140,6 +142,21 @@ def build_towers(model_fn: Callable[..., object],
       trained once, in order; at the end of the data the step after the
       last staged batch raises ``OutOfRangeError``. The weights come from
       the staged batches' sizes.
+    num_workers: the number of worker tasks that train together, each a
+      process building this same graph over its own `devices` (between-graph
+      replication), ``/job:worker/task:<k>/...`` on worker ``k`` (see
+      `tower_devices`). Above 1, the towers must be replicated, with
+      ``all_reduce='collective'`` (or ``'auto'``, which means it): every
+      collective (the gradients' all-reduce, a synchronized batch norm's
+      sums) has one member per tower of every worker, so each worker gets
+      the average over all ``num_workers * num_gpus`` towers (each worker's
+      weights summing to 1 and the workers counting equally: give every
+      worker the same batch size). Every session needs
+      ``config.experimental.collective_group_leader`` set to task 0 (as
+      ``'/job:worker/replica:0/task:0'``), and every worker must run the
+      same training step together; run `broadcast_variables` once after
+      initialization or a restore, so every worker starts from the chief's
+      values. No parameter servers.
     **compute_gradients_kwargs: passed to ``opt.compute_gradients``;
       ``gate_gradients`` defaults to ``GATE_NONE`` (0), since
       `average_gradients` is the synchronization point.
@@ -162,7 +179,11 @@ def build_towers(model_fn: Callable[..., object],
       after the first creates a trainable variable (the towers would not
       share it), a tower's loss reads another tower's data, or the towers'
       losses include different regularization losses, or the towers built
-      different cross-tower sums (see `TowerContext.all_sum`).
+      different cross-tower sums (see `TowerContext.all_sum`), or
+      `num_workers` is below 1, or above 1 with towers that are not
+      replicated, another all-reduce than ``'collective'``, or `devices`
+      that do not name one task of its job (or name a task beyond
+      `num_workers`), or in a graph built for another number of workers.
   """
   num_gpus = _devices.check_count("num_gpus", num_gpus)
   if not callable(model_fn):
@@ -178,6 +199,11 @@ def build_towers(model_fn: Callable[..., object],
   compute_gradients_kwargs.setdefault("gate_gradients",
                                       tf.train.Optimizer.GATE_NONE)
   replicated = _check_replicated(variable_device, all_reduce, opt)
+  if num_workers != 1:
+    num_workers = _workers.check(num_workers,
+                                 _check_devices(devices, num_gpus),
+                                 replicated, all_reduce)
+    _workers.register(_check_devices(devices, num_gpus), num_workers)
   if replicated:
     all_reduce = _allreduce.resolve(all_reduce,
                                     _check_devices(devices, num_gpus))

@@ -59,10 +59,10 @@ def minimize(model_fn: Callable[..., object],
       The scale is returned in ``towers.loss_scale``.
     **build_towers_kwargs: passed to `build_towers` (``inputs``,
       ``devices``, ``variable_device``, ``all_reduce``, ``compute_dtype``,
-      ``stage_inputs``, ``compute_gradients`` arguments). Replicated
-      towers (``variable_device='replicated'``) are all-reduced with their
-      ``all_reduce``; the one ``apply_gradients``
-      updates every copy, and the copies' optimizer slots, like the copies,
+      ``stage_inputs``, ``num_workers``, ``compute_gradients`` arguments).
+      Replicated towers (``variable_device='replicated'``) are all-reduced
+      with their ``all_reduce``; the one ``apply_gradients`` updates every
+      copy, and the copies' optimizer slots, like the copies,
       are local variables set from copy 0's by the local init op.
 
   Returns:

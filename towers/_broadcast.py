@@ -1,0 +1,99 @@
+"""Broadcast from the chief: every worker starts from worker 0's values."""
+
+import collections
+from typing import Dict, List, Optional, Sequence
+
+import tensorflow.compat.v1 as tf
+
+from towers import _allreduce
+from towers import _replicas
+from towers import _workers
+
+
+def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
+                       ) -> tf.Operation:
+  """Returns an op that gives every worker the chief's variables.
+
+  For towers built with ``num_workers > 1``: when every worker runs it
+  (together: it is a collective), worker 0 (the chief) sends each variable
+  of `var_list` to the other workers, which assign what they receive; then
+  every worker sets its replicated copies, and their optimizer slots, from
+  copy 0 again. Variables of one dtype travel as one tensor, in the order
+  of their names, from each worker's first tower device.
+
+  Each worker initializes its own variables (there is no parameter server
+  to share them), and only the chief restores a checkpoint, so run it after
+  the variables are initialized or restored and after the local init op
+  (which sets the copies once already): as a ``tf.train.Scaffold``'s local
+  init op, built under a control dependency on the default one::
+
+    with tf.control_dependencies([tf.train.Scaffold.default_local_init_op()]):
+      sync = towers.broadcast_variables()
+    scaffold = tf.train.Scaffold(local_init_op=sync)
+
+  Build it once the graph holds every variable (after `minimize`, the global
+  step, moving averages), in the same order on every worker.
+
+  Args:
+    var_list: the variables to send; default ``tf.global_variables()``
+      (the model, the optimizer's slots, the global step, batch-norm
+      statistics, a loss scale).
+
+  Returns:
+    The op; on a graph of one worker, a no-op.
+
+  Raises:
+    ValueError: if the towers were built for one worker but `var_list`
+      names variables whose shape is not fully defined.
+    TypeError: if `var_list` holds something other than variables.
+  """
+  workers = _workers.count()
+  if var_list is None:
+    var_list = tf.global_variables()
+  var_list = list(var_list)
+  for var in var_list:
+    if getattr(var, "op", None) is None or not hasattr(var, "assign"):
+      raise TypeError("expected var_list to hold variables, got %r" % (var,))
+    if not var.shape.is_fully_defined():
+      raise ValueError(
+          "broadcast_variables sends %s, whose shape %s is not fully "
+          "defined; leave it out of var_list or give it a static shape"
+          % (var.op.name, var.shape))
+  with tf.name_scope("broadcast_variables"):
+    if workers == 1:
+      return tf.no_op(name="one_worker")
+    home = _workers.home()
+    chief = tf.DeviceSpec.from_string(home).task == 0
+    by_dtype: Dict[tf.DType, List[tf.Variable]] = collections.defaultdict(
+        list)
+    for var in sorted(var_list, key=lambda v: v.op.name):
+      by_dtype[var.dtype.base_dtype].append(var)
+    group = _workers.group_key(_workers.peers(home, workers))
+    assigns: List[tf.Operation] = []
+    previous: List[tf.Operation] = []
+    for dtype in sorted(by_dtype, key=lambda d: d.name):
+      variables = by_dtype[dtype]
+      sizes = [v.shape.num_elements() for v in variables]
+      instance = _allreduce.instance_key()
+      with tf.device(home), tf.control_dependencies(previous):
+        if chief:
+          sent = tf.raw_ops.CollectiveBcastSendV2(
+              input=tf.concat([tf.reshape(v.read_value(), [-1])
+                               for v in variables], 0),
+              group_size=workers, group_key=group, instance_key=instance,
+              communication_hint="auto")
+          previous = [sent.op]
+          continue
+        received = tf.raw_ops.CollectiveBcastRecvV2(
+            group_size=workers, group_key=group, instance_key=instance,
+            shape=[sum(sizes)], T=dtype, communication_hint="auto")
+        previous = [received.op]
+        parts = tf.split(received, sizes)
+      for var, part in zip(variables, parts):
+        with tf.device(var.device):
+          assigns.append(var.assign(tf.reshape(part, var.shape)).op)
+    # The copies (and their slots) read copy 0 after it has its new value.
+    with tf.control_dependencies(assigns + previous):
+      copies = [copy.assign(source.read_value()).op
+                for copy, source in _replicas.sources()]
+    return tf.group(assigns + previous + copies, name="broadcast")
