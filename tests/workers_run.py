@@ -1,0 +1,132 @@
+"""One process of tests/test_workers.py: a worker of a collective cluster on
+loopback (``--ports``), or the one-worker reference (no ``--ports``).
+
+It trains a small model (a dense layer, an embedding whose gradient is
+sparse, a synchronized batch norm, Momentum) on a fixed global batch per
+step, worker ``k`` taking the ``k``-th slice, and writes every global
+variable after each step to ``--out`` (an ``.npz``: ``name -> [steps + 1,
+...]``, row 0 being the values the first step starts from). The last line
+of its output is JSON: the largest gap between a replicated copy and copy
+0, and the global step.
+"""
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+import towers
+
+GLOBAL_TOWERS = 4
+PER_TOWER = 4
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--task", type=int, default=0)
+  parser.add_argument("--ports", default="")
+  parser.add_argument("--towers", type=int, default=GLOBAL_TOWERS)
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--init_seed", type=int, default=0)
+  parser.add_argument("--restore", default=None)
+  parser.add_argument("--save", default=None)
+  parser.add_argument("--timeout_ms", type=int, default=60000)
+  parser.add_argument("--variable_device", default="replicated")
+  parser.add_argument("--ref-variables", action="store_true")
+  args = parser.parse_args()
+  if args.ref_variables:
+    tf.disable_v2_behavior()
+  else:
+    tf.disable_eager_execution()
+  ports = [p for p in args.ports.split(",") if p]
+  workers = max(1, len(ports))
+  config = towers.virtual_cpu_config(args.towers)
+  if ports:
+    config.experimental.collective_group_leader = (
+        "/job:worker/replica:0/task:0")
+    cluster = tf.train.ClusterSpec(
+        {"worker": ["127.0.0.1:%s" % p for p in ports]})
+    server = tf.train.Server(cluster, job_name="worker",
+                             task_index=args.task, config=config)
+    target = server.target
+    task = "/job:worker/task:%d" % args.task
+    devices = towers.tower_devices(args.towers, task=task)
+    session_config = tf.ConfigProto()
+    session_config.CopyFrom(config)
+    session_config.device_filters[:] = [task]
+  else:
+    target, task, devices = "", "", towers.tower_devices(args.towers)
+    session_config = tf.ConfigProto()
+    session_config.CopyFrom(config)
+  session_config.operation_timeout_in_ms = args.timeout_ms
+
+  init = np.random.RandomState(args.init_seed)
+  values = {"w1": init.randn(6, 8), "emb": init.randn(10, 8),
+            "w2": init.randn(8, 3)}
+  per_worker = args.towers * PER_TOWER
+  x = tf.placeholder(tf.float32, [per_worker, 6])
+  ids = tf.placeholder(tf.int32, [per_worker])
+  y = tf.placeholder(tf.int32, [per_worker])
+
+  def model_fn(_, x, ids, y):
+    def variable(name):
+      return tf.get_variable(name, values[name].shape, initializer=(
+          tf.constant_initializer(values[name])))
+    hidden = tf.matmul(x, variable("w1")) + tf.gather(variable("emb"), ids)
+    hidden = towers.batch_normalization(tf.nn.relu(hidden), training=True)
+    logits = tf.matmul(hidden, variable("w2"))
+    return tf.losses.sparse_softmax_cross_entropy(y, logits)
+
+  with tf.device(task + "/cpu:0" if task else "/cpu:0"):
+    global_step = tf.train.get_or_create_global_step()
+  train_op, _ = towers.minimize(
+      model_fn, tf.train.MomentumOptimizer(0.1, 0.9), args.towers,
+      inputs=(x, ids, y), devices=devices,
+      variable_device=args.variable_device,
+      all_reduce="collective" if args.variable_device == "replicated"
+      else "auto", num_workers=workers, global_step=global_step)
+  with tf.control_dependencies([tf.train.Scaffold.default_local_init_op()]):
+    sync = towers.broadcast_variables()
+  saver = tf.train.Saver()
+  variables = sorted(tf.global_variables(), key=lambda v: v.op.name)
+  copies = [(c, s) for c in tf.local_variables()
+            for s in variables if c.op.name.endswith("/" + s.op.name)
+            and c.op.name.startswith("replica_")]
+
+  data = np.random.RandomState(1234)
+  history = {v.op.name: [] for v in variables}
+  gap = 0.0
+  with tf.Session(target, config=session_config) as sess:
+    sess.run(tf.global_variables_initializer())
+    if args.restore and args.task == 0:
+      saver.restore(sess, args.restore)
+    sess.run(sync)
+    for step in range(args.steps + 1):
+      for var, value in zip(variables, sess.run(variables)):
+        history[var.op.name].append(value)
+      for copy, source in copies:
+        a, b = sess.run([copy, source])
+        gap = max(gap, float(np.max(np.abs(a - b))))
+      if step == args.steps:
+        break
+      batch = GLOBAL_TOWERS * PER_TOWER
+      feed_x = data.randn(batch, 6).astype(np.float32)
+      feed_ids = data.randint(0, 10, batch).astype(np.int32)
+      feed_y = data.randint(0, 3, batch).astype(np.int32)
+      part = slice(args.task * per_worker, (args.task + 1) * per_worker)
+      sess.run(train_op, {x: feed_x[part], ids: feed_ids[part],
+                          y: feed_y[part]})
+    if args.save:
+      saver.save(sess, args.save, write_meta_graph=False)
+    final_step = int(sess.run(global_step))
+  np.savez(args.out, **{k: np.stack(v) for k, v in history.items()})
+  print(json.dumps({"copies_gap": gap, "global_step": final_step,
+                    "copies": len(copies)}))
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  main()
