@@ -1,23 +1,41 @@
-r"""Runs a parameter-server cluster on this machine, for trying it out.
+r"""Runs a cluster of the MNIST training script on this machine, to try it out.
 
-Starts the parameter servers and workers of the MNIST training script as
-separate processes on free loopback ports, streams their logs with a task
-prefix, and stops the parameter servers when the workers are done. SIGTERM
-or Ctrl-C (SIGINT) is passed on to the workers, so the chief saves a
-checkpoint; the parameter servers, which hold the variables it saves, are
-stopped only after the workers have exited (or after --stop_grace_secs,
-when the rest get SIGKILL). The launcher then exits with 128 + the signal's
-number; a second signal kills every task at once:
+Two kinds: with parameter servers (--num_ps=1 or more), or without
+(--num_ps=0: collective mode, every worker all-reducing with every other):
 
   python examples/launch_local_cluster.py --num_ps=1 --num_workers=2 -- \
       --num_gpus=2 --max_steps=500 --train_dir=/tmp/mnist_cluster \
       --data_dir=../shared/data/mnist
+  python examples/launch_local_cluster.py --num_ps=0 --num_workers=2 -- \
+      --num_gpus=2 --max_steps=500 --train_dir=/tmp/mnist_collective \
+      --data_dir=../shared/data/mnist
+
+Starts the parameter servers and workers as separate processes on free
+loopback ports, streams their logs with a task prefix, and stops the
+parameter servers when the workers are done. SIGTERM or Ctrl-C (SIGINT) is
+passed on to the workers, so the chief saves a checkpoint; the parameter
+servers, which hold the variables it saves, are stopped only after the
+workers have exited (or after --stop_grace_secs, when the rest get
+SIGKILL). The launcher then exits with 128 + the signal's number; a second
+signal kills every task at once. The tasks never outlive the launcher: on
+Linux each is killed (SIGKILL) when the launcher dies, even by SIGKILL, so
+a relaunch cannot meet an orphaned chief still writing its --train_dir.
 
 Everything after ``--`` goes to every task; the launcher adds
 ``--ps_hosts``, ``--worker_hosts``, ``--job_name`` and ``--task_index``.
 On real machines, run one task per host instead (docs/distributed.md).
+
+SECURITY: TensorFlow's gRPC servers have no authentication and no
+encryption, and each listens on every network interface (0.0.0.0:port,
+whatever host the cluster names: TensorFlow has no setting for it). Any
+process that can reach a task's port can run any graph in it, with that
+task's files and permissions; that includes the tasks this launcher starts
+while they run. Use it on a machine whose ports are firewalled from
+untrusted networks, for short-lived local clusters only.
 """
 
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
@@ -48,8 +66,41 @@ def free_ports(count: int) -> List[int]:
       s.close()
 
 
+# prctl(2)'s option: the signal the kernel sends a process when the thread
+# that started it exits.
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Optional[Callable[[], None]]:
+  """Returns a `preexec_fn` that has a child die with this process (Linux).
+
+  The child asks the kernel for SIGKILL when its parent exits, however the
+  parent ends (SIGKILL included, which no handler of the parent can see),
+  then checks that the parent did not die before it asked. Elsewhere
+  returns None: the tasks of a launcher killed by SIGKILL keep running.
+  """
+  if not sys.platform.startswith("linux"):
+    return None
+  # Loaded before the fork: the child only calls it.
+  libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+  parent = os.getpid()
+
+  def preexec():
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+      os._exit(1)  # pylint: disable=protected-access
+
+  return preexec
+
+
 class Cluster:
-  """The processes of one local cluster; a context manager that stops them."""
+  """The processes of one local cluster; a context manager that stops them.
+
+  Without parameter servers (`num_ps` 0) the workers form a collective
+  cluster. On Linux each task is killed when the thread that started it
+  ends (the kernel's parent-death signal): start them from a thread that
+  outlives them, such as the main thread.
+  """
 
   def __init__(self, script: str, num_ps: int, num_workers: int,
                args: Sequence[str], out=None):
@@ -76,7 +127,8 @@ class Cluster:
     # stops every task in order.
     proc = subprocess.Popen(self.command(job, index), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=_die_with_parent())
     self.tasks[name] = proc
     thread = threading.Thread(target=self._stream, args=(name, proc),
                               daemon=True)
@@ -194,8 +246,11 @@ def run(num_ps: int, num_workers: int, args: Sequence[str],
       for signum in (signal.SIGTERM, signal.SIGINT):
         previous[signum] = signal.signal(signum, handle)
     try:
-      logging.info("ps: %s; workers: %s", ",".join(cluster.ps_hosts),
-                   ",".join(cluster.worker_hosts))
+      logging.info("ps: %s; workers: %s", ",".join(cluster.ps_hosts) or
+                   "none (collective mode)", ",".join(cluster.worker_hosts))
+      logging.warning("The tasks' gRPC servers listen on every interface "
+                      "without authentication: any process reaching their "
+                      "ports can run graphs in them (see --help)")
       cluster.start_all()
       code = cluster.wait_for_workers(stop=lambda: bool(received))
       if code is not None:
@@ -212,7 +267,10 @@ def run(num_ps: int, num_workers: int, args: Sequence[str],
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_ps", 1, "Parameter-server tasks.", lower_bound=1)
+flags.DEFINE_integer("num_ps", 1, "Parameter-server tasks; 0 for a "
+                     "collective cluster (no parameter servers: every "
+                     "worker all-reduces its gradients with the others).",
+                     lower_bound=0)
 flags.DEFINE_integer("num_workers", 2, "Worker tasks (the first is the "
                      "chief).", lower_bound=1)
 flags.DEFINE_string("script", None,
