@@ -1,5 +1,10 @@
 """Between-graph replication on TensorFlow's distributed runtime: the checks.
 
+Two kinds of cluster: with parameter servers (``--ps_hosts``), which hold
+the variables that a ``SyncReplicasOptimizer`` updates; and without
+(collective mode), where every worker holds a copy of the variables and
+all-reduces its gradients with every other worker's.
+
 The classic TF1 cluster flags (``--ps_hosts``, ``--worker_hosts``,
 ``--job_name``, ``--task_index``) are easy to get wrong, and a wrong one
 usually shows as a hang: a task waiting forever for a host that is not there,
@@ -7,10 +12,11 @@ or for a chief whose graph expects another cluster. These helpers turn each
 of those into a clear error:
 
 - `make_cluster` checks the flags themselves;
-- `wait_for_hosts` gives the parameter servers a deadline to accept a
-  connection;
+- `wait_for_hosts` gives the parameter servers (in collective mode, the
+  other workers) a deadline to accept a connection;
 - `check_same_cluster` has the chief write its cluster on parameter server
-  task 0 and every other worker compare its own against it;
+  task 0 (in collective mode, on itself) and every other worker compare its
+  own against it;
 - `wait_for_model` lets a worker join within a second of the chief's
   initialization, where ``tf.train.MonitoredTrainingSession`` polls every 30
   seconds;
@@ -21,12 +27,14 @@ Example code, not part of the `towers` library.
 """
 
 import collections
+import hashlib
 import json
 import socket
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
+import numpy as np
 import tensorflow.compat.v1 as tf
 
 import towers
@@ -39,7 +47,7 @@ class ClusterError(ValueError):
 
 Task = collections.namedtuple("Task", [
     "server", "cluster", "is_chief", "worker_device", "config",
-    "num_workers"])
+    "num_workers", "collective"])
 Task.__doc__ = """This process's place in the cluster (see `start_task`).
 
 Fields:
@@ -48,10 +56,18 @@ Fields:
   is_chief: whether this is worker task 0, which initializes and saves.
   worker_device: ``'/job:worker/task:<i>'``.
   config: the session config: `num_towers` virtual CPU devices where GPUs
-    are missing, and device filters so the session talks only to the
-    parameter servers and this worker (a dead peer worker cannot stall it).
+    are missing, device filters so the session talks only to the
+    parameter servers and this worker (a dead peer worker cannot stall it;
+    in collective mode to this worker only, the collectives reach the
+    others), the collective group leader in collective mode, and the
+    operation timeout.
   num_workers: the number of worker tasks.
+  collective: whether the cluster has no parameter servers: the workers
+    all-reduce their gradients with collective ops.
 """
+
+# Where the workers of a collective cluster meet to form their group.
+COLLECTIVE_LEADER = "/job:worker/replica:0/task:0"
 
 
 def parse_hosts(text: str) -> List[str]:
@@ -68,11 +84,12 @@ def make_cluster(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
       a host listed twice, an unknown job name, or a task index outside the
       job's list.
   """
+  if not worker_hosts:
+    raise ClusterError("--worker_hosts is empty: list the cluster's "
+                       "host:port pairs, comma-separated, the same on every "
+                       "task")
   for flag, hosts in (("--ps_hosts", ps_hosts),
                       ("--worker_hosts", worker_hosts)):
-    if not hosts:
-      raise ClusterError("%s is empty: list the cluster's host:port pairs, "
-                       "comma-separated, the same on every task" % flag)
     for host in hosts:
       name, _, port = host.rpartition(":")
       if not name or not port.isdigit():
@@ -85,12 +102,18 @@ def make_cluster(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
   jobs = {"ps": ps_hosts, "worker": worker_hosts}
   if job_name not in jobs:
     raise ClusterError("--job_name=%r: expected 'ps' or 'worker'" % (job_name,))
+  if job_name == "ps" and not ps_hosts:
+    raise ClusterError("--job_name=ps but --ps_hosts is empty: without "
+                       "parameter servers (collective mode) every task is a "
+                       "worker")
   if not 0 <= task_index < len(jobs[job_name]):
     raise ClusterError(
         "--task_index=%d but --%s_hosts lists %d %s task(s) (indices 0-%d); "
         "task i is the i-th host of the list"
         % (task_index, job_name, len(jobs[job_name]), job_name,
            len(jobs[job_name]) - 1))
+  if not ps_hosts:
+    return tf.train.ClusterSpec({"worker": list(worker_hosts)})
   return tf.train.ClusterSpec({"ps": list(ps_hosts),
                                "worker": list(worker_hosts)})
 
@@ -112,7 +135,8 @@ def _wait_until(done: Callable[[], bool], timeout_secs: float, waiting: str,
     time.sleep(0.5)
 
 
-def _accepts_connections(host: str) -> bool:
+def accepts_connections(host: str) -> bool:
+  """Whether ``host:port`` accepts a TCP connection now (2 s at most)."""
   name, _, port = host.rpartition(":")
   try:
     with socket.create_connection((name, int(port)), timeout=2):
@@ -130,7 +154,7 @@ def wait_for_hosts(hosts: Sequence[str], timeout_secs: float) -> None:
   waiting = list(hosts)
 
   def reached():
-    waiting[:] = [h for h in waiting if not _accepts_connections(h)]
+    waiting[:] = [h for h in waiting if not accepts_connections(h)]
     return not waiting
 
   _wait_until(
@@ -147,27 +171,31 @@ def check_same_cluster(target: str, cluster: tf.train.ClusterSpec,
   """Makes sure this worker and the chief describe the same cluster.
 
   The chief writes its cluster, as JSON, into a string variable on parameter
-  server task 0; every other worker waits for it there and compares. Without
-  this, a worker started with other host lists would wait forever for
-  variables the chief placed elsewhere, or for aggregation tokens of another
-  number of replicas.
+  server task 0 (in collective mode, on itself); every other worker waits
+  for it there and compares. Without this, a worker started with other host
+  lists would wait forever for variables the chief placed elsewhere, for
+  aggregation tokens of another number of replicas, or for a collective
+  group of another size.
 
   Raises:
     ClusterError: if this worker's cluster differs from the chief's.
     TimeoutError: if the chief has not written its cluster in time.
   """
   mine = json.dumps(cluster.as_dict(), sort_keys=True)
+  job = "ps" if "ps" in cluster.jobs else "worker"
+  config = _copy(config)
+  config.device_filters.append("/job:%s/task:0" % job)
   with tf.Graph().as_default():
-    with tf.device("/job:ps/task:0"):
+    with tf.device("/job:%s/task:0" % job):
       spec = tf.Variable(mine, name="towers_cluster_spec", trainable=False,
                          collections=[], use_resource=False)
     with tf.Session(target, config=config) as sess:
       if is_chief:
         sess.run(spec.initializer)
         return
-      with tf.device("/job:ps/task:0"):
+      with tf.device("/job:%s/task:0" % job):
         written = tf.is_variable_initialized(spec)
-      ps0 = cluster.task_address("ps", 0)
+      ps0 = cluster.task_address(job, 0)
       _wait_until(
           lambda: sess.run(written), timeout_secs,
           "Waiting for the chief (worker task 0) to register its cluster on "
@@ -209,23 +237,32 @@ def wait_for_model(target: str, config: tf.ConfigProto,
 def start_task(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
                job_name: str, task_index: int, num_towers: int, *,
                log_device_placement: bool = False,
-               startup_timeout_secs: float = 60.0) -> Task:
+               startup_timeout_secs: float = 60.0,
+               step_timeout_secs: Optional[float] = None) -> Task:
   """Checks the flags, starts this task's server and meets the cluster.
 
   A parameter server serves forever here (this call does not return for
-  one). A worker waits for the parameter servers (`wait_for_hosts`), then
-  makes sure its cluster is the chief's (`check_same_cluster`).
+  one). A worker waits for the parameter servers (`wait_for_hosts`; without
+  parameter servers, for the other workers), then makes sure its cluster is
+  the chief's (`check_same_cluster`). With `step_timeout_secs` every
+  session op of the worker fails with a ``DeadlineExceededError`` after that
+  long (``operation_timeout_in_ms``) instead of waiting forever.
 
   Raises:
     ClusterError, TimeoutError: as `make_cluster`, `wait_for_hosts` and
       `check_same_cluster` do.
   """
   cluster = make_cluster(ps_hosts, worker_hosts, job_name, task_index)
+  collective = not ps_hosts
   config = towers.virtual_cpu_config(num_towers,
                                      log_device_placement=log_device_placement)
   if towers.tower_devices(num_towers)[0].startswith("/gpu"):
     config = tf.ConfigProto(allow_soft_placement=True,
                             log_device_placement=log_device_placement)
+  if collective:
+    # The server and every session name the same leader, which gathers the
+    # group (every worker's towers) at the first collective.
+    config.experimental.collective_group_leader = COLLECTIVE_LEADER
   server = tf.train.Server(cluster, job_name=job_name, task_index=task_index,
                            config=config)
   if job_name == "ps":
@@ -233,13 +270,39 @@ def start_task(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
                  ps_hosts[task_index])
     server.join()
   worker_device = "/job:worker/task:%d" % task_index
-  config.device_filters[:] = ["/job:ps", worker_device]
-  wait_for_hosts(ps_hosts, startup_timeout_secs)
+  if step_timeout_secs:
+    config.operation_timeout_in_ms = int(step_timeout_secs * 1000)
+  if collective:
+    # This worker only: the collective ops reach the others by themselves,
+    # and a session that listed them would wait for each at creation.
+    config.device_filters[:] = [worker_device]
+    wait_for_hosts(worker_hosts, startup_timeout_secs)
+  else:
+    config.device_filters[:] = ["/job:ps", worker_device]
+    wait_for_hosts(ps_hosts, startup_timeout_secs)
   check_same_cluster(server.target, cluster, task_index == 0, config,
                      startup_timeout_secs)
   return Task(server=server, cluster=cluster, is_chief=task_index == 0,
               worker_device=worker_device, config=config,
-              num_workers=len(worker_hosts))
+              num_workers=len(worker_hosts), collective=collective)
+
+
+def peers(task: Task) -> List[Tuple[str, str]]:
+  """``(name, 'host:port')`` of every other task: ``('ps0', ...)``, ..."""
+  mine = "worker%d" % int(task.worker_device.rsplit(":", 1)[1])
+  found = []
+  for job in ("ps", "worker"):
+    if job in task.cluster.jobs:
+      for i, host in enumerate(task.cluster.job_tasks(job)):
+        if "%s%d" % (job, i) != mine:
+          found.append(("%s%d" % (job, i), host))
+  return found
+
+
+def _copy(config: tf.ConfigProto) -> tf.ConfigProto:
+  copied = tf.ConfigProto()
+  copied.CopyFrom(config)
+  return copied
 
 
 def device_setter(task: Task):
@@ -283,6 +346,10 @@ class _OwnCoordinatorHook(tf.train.SessionRunHook):
 
   def after_create_session(self, session, coord):
     del coord  # The session's; its threads get ours.
+    # A new one for each session: after a parameter server was lost, the
+    # last one holds that error, which would stop the recreated session too.
+    self._coord = tf.train.Coordinator(clean_stop_exception_types=(
+        tf.errors.OutOfRangeError, tf.errors.CancelledError))
     self._hook.after_create_session(session, self._coord)
 
   def before_run(self, run_context):
@@ -295,3 +362,29 @@ class _OwnCoordinatorHook(tf.train.SessionRunHook):
   def end(self, session):
     self._coord.request_stop()
     self._hook.end(session)
+
+
+class VariablesDigestHook(tf.train.SessionRunHook):
+  """Logs a digest of the global variables when training ends cleanly.
+
+  ``Variables at step N: sha256 <hex> (K variables)``: in collective mode
+  every worker holds its own copy of every variable, and the workers'
+  digests being equal shows that the copies are identical, bit for bit.
+  """
+
+  def __init__(self, global_step: tf.Tensor):
+    self._global_step = global_step
+    self._variables = None
+
+  def begin(self):
+    self._variables = sorted(tf.global_variables(), key=lambda v: v.op.name)
+
+  def end(self, session):
+    values = session.run(self._variables)
+    digest = hashlib.sha256()
+    for var, value in zip(self._variables, values):
+      digest.update(var.op.name.encode())
+      digest.update(np.ascontiguousarray(value).tobytes())
+    logging.info("Variables at step %d: sha256 %s (%d variables)",
+                 session.run(self._global_step), digest.hexdigest(),
+                 len(values))

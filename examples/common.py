@@ -89,14 +89,18 @@ ALL_REDUCE = ("auto", "add_n", "ring", "collective")
 
 
 def check_variable_flags(variable_device: str, all_reduce: str,
-                         distributed: bool = False) -> None:
+                         distributed: bool = False,
+                         collective: bool = False) -> None:
   """Checks a --variable_device and --all_reduce combination.
 
   --all_reduce chooses how the towers' copies of the variables are kept
   identical, so it is set only with --variable_device=replicated. A cluster
-  (--ps_hosts, --worker_hosts) keeps one copy of each variable on its
-  parameter servers, updated by a ``tf.train.SyncReplicasOptimizer``, which
-  towers does not replicate: there --variable_device keeps its default.
+  with parameter servers (--ps_hosts) keeps one copy of each variable
+  there, updated by a ``tf.train.SyncReplicasOptimizer``, which towers does
+  not replicate: there --variable_device keeps its default. A collective
+  cluster (`collective`: --worker_hosts without --ps_hosts) is always
+  replicated and all-reduced with collective ops: the flags may say so, or
+  keep their defaults.
 
   Raises:
     FlagError: for an unknown value, or a combination that cannot work,
@@ -108,6 +112,16 @@ def check_variable_flags(variable_device: str, all_reduce: str,
     if value not in choices:
       raise FlagError("--%s=%s must be one of %s"
                       % (name, value, ", ".join(choices)))
+  if collective:
+    if (variable_device not in ("cpu", "replicated") or
+        all_reduce not in ("auto", "collective")):
+      raise FlagError(
+          "--variable_device=%s --all_reduce=%s: a cluster without "
+          "--ps_hosts (collective mode) keeps a copy of the variables on "
+          "every tower of every worker, all-reduced with collective ops: "
+          "drop both flags, or give --ps_hosts"
+          % (variable_device, all_reduce))
+    return
   if all_reduce != "auto" and variable_device != "replicated":
     raise FlagError(
         "--all_reduce=%s applies to --variable_device=replicated only (it "
@@ -121,7 +135,8 @@ def check_variable_flags(variable_device: str, all_reduce: str,
         "--ps_hosts the variables live on the parameter servers, one copy "
         "updated through SyncReplicasOptimizer (which towers does not "
         "replicate); drop --variable_device, or train without --ps_hosts "
-        "and --worker_hosts" % variable_device)
+        "and --worker_hosts (or --worker_hosts alone, collective mode)"
+        % variable_device)
 
 
 def define_variable_flags(note: str = "") -> None:
@@ -305,12 +320,14 @@ def register_flag_checks(bounds: Mapping[str, Bounds],
         name, lambda p: not p or not os.path.exists(p) or os.path.isdir(p),
         message="is a file, not a directory: point it at a directory (it is "
         "created if absent)")
-  # One check per group, so that absl's line names only the flags at fault.
+  # One check per group, so that absl's line names only the flags at fault
+  # (with the host lists where the script has them: they decide the rules).
+  hosts = ("ps_hosts", "worker_hosts")
+  if not all(n in flags.FLAGS for n in hosts):
+    hosts = ()
   for names, check in (
-      (("variable_device", "all_reduce"), _check_variable_flags),
-      (("variable_device", "ps_hosts", "worker_hosts"),
-       _check_variable_flags),
-      (("precision", "ps_hosts", "worker_hosts"), _check_precision)):
+      (("variable_device", "all_reduce") + hosts, _check_variable_flags),
+      (("precision",) + hosts, _check_precision)):
     if all(n in flags.FLAGS for n in names):
       flags.register_multi_flags_validator(names, check)
 
@@ -319,7 +336,8 @@ def _check_variable_flags(values: Mapping[str, object]) -> bool:
   try:
     check_variable_flags(
         values["variable_device"], values.get("all_reduce", "auto"),
-        bool(values.get("ps_hosts") or values.get("worker_hosts")))
+        bool(values.get("ps_hosts") or values.get("worker_hosts")),
+        bool(values.get("worker_hosts") and not values.get("ps_hosts")))
   except FlagError as e:
     raise flags.ValidationError(str(e)) from None
   return True
@@ -570,8 +588,10 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
                  is_chief: bool = True, stop_grace_period_secs: float = 120,
                  loss_scale: Optional[tf.Tensor] = None,
                  hooks: Iterable[tf.train.SessionRunHook] = (),
-                 chief_only_hooks: Iterable[tf.train.SessionRunHook] = ()
-                ) -> int:
+                 chief_only_hooks: Iterable[tf.train.SessionRunHook] = (),
+                 local_init_op: Optional[tf.Operation] = None,
+                 recover: bool = True, watchdog=None,
+                 save_when_stuck: bool = False) -> int:
   """Trains until the global step reaches `max_steps`; returns that step.
 
   Resumes from the latest checkpoint in `train_dir` (the global step goes
@@ -587,31 +607,57 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
   step: the chief saves a checkpoint, one line is logged, and `Interrupted`
   is raised. A second signal kills at once. Call `traindir.prepare` first.
 
+  In a cluster: `local_init_op` replaces the scaffold's default (collective
+  mode's broadcast from the chief). With `recover` (parameter servers) the
+  session is recreated after a task it needs was lost
+  (``MonitoredTrainingSession``); without it (collective mode: the
+  collectives of a lost peer cannot be replayed) the error is raised, and
+  every worker creates its session as a chief would, only `is_chief`
+  restoring, saving and writing summaries. `watchdog` (a
+  `watchdog.Watchdog`) watches session creation and every step, and after a
+  signal gives up a step that does not end (with `save_when_stuck`, the
+  chief saving from beside it first).
+
   Raises:
     Interrupted: after a SIGTERM or SIGINT.
     FloatingPointError: if the loss becomes NaN.
   """
   saver = tf.train.Saver(save_relative_paths=True, sharded=True,
                          allow_empty=True)
-  scaffold = tf.train.Scaffold(summary_op=summary_op, saver=saver)
+  scaffold = tf.train.Scaffold(summary_op=summary_op, saver=saver,
+                               local_init_op=local_init_op)
   logger = StepLogger(loss, global_step, examples_per_step, num_towers,
-                      log_every, count_locally=not master,
+                      log_every, count_locally=not master or not recover,
                       loss_scale=loss_scale)
   all_hooks = [tf.train.StopAtStepHook(last_step=max_steps), logger]
+  all_hooks += list(hooks) + ([watchdog] if watchdog is not None else [])
   with StopOnSignals() as signals:
-    with tf.train.MonitoredTrainingSession(
-        master=master, is_chief=is_chief, checkpoint_dir=train_dir,
-        scaffold=scaffold, hooks=all_hooks + list(hooks),
-        chief_only_hooks=list(chief_only_hooks), config=config,
-        save_checkpoint_secs=None if save_checkpoint_steps else
-        save_checkpoint_secs,
-        save_checkpoint_steps=save_checkpoint_steps,
-        save_summaries_steps=save_summaries_steps if summary_op is not None
-        else None,
-        log_step_count_steps=0,
-        stop_grace_period_secs=stop_grace_period_secs) as sess:
-      while not sess.should_stop() and signals.received is None:
-        sess.run(train_op)
+    if watchdog is not None:
+      def save():
+        return saver.save(watchdog.session,
+                          os.path.join(train_dir, "model.ckpt"),
+                          global_step=global_step, write_meta_graph=False)
+
+      watchdog.start(lambda: signals.received,
+                     save=save if is_chief and save_when_stuck else None)
+    try:
+      with _training_session(
+          recover, master=master, is_chief=is_chief, train_dir=train_dir,
+          scaffold=scaffold, hooks=all_hooks,
+          chief_only_hooks=list(chief_only_hooks), config=config,
+          save_checkpoint_secs=None if save_checkpoint_steps else
+          save_checkpoint_secs,
+          save_checkpoint_steps=save_checkpoint_steps,
+          save_summaries_steps=save_summaries_steps if summary_op is not None
+          else None,
+          stop_grace_period_secs=stop_grace_period_secs) as sess:
+        while not sess.should_stop() and signals.received is None:
+          sess.run(train_op)
+        if watchdog is not None:
+          watchdog.closing()
+    finally:
+      if watchdog is not None:
+        watchdog.stop()
     # The session has closed: the chief's final checkpoint is saved. Its
     # hooks' event writer is cached for the process and flushed only every
     # 2 minutes: flush it, so the directory is complete on return.
@@ -629,6 +675,44 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
                  "the chief saves the checkpoints")
     raise Interrupted(signals.received, step)
   return logger.step
+
+
+def _training_session(recover: bool, *, master: str, is_chief: bool,
+                      train_dir: str, scaffold: tf.train.Scaffold, hooks,
+                      chief_only_hooks, config: tf.ConfigProto,
+                      save_checkpoint_secs: Optional[int],
+                      save_checkpoint_steps: Optional[int],
+                      save_summaries_steps: Optional[int],
+                      stop_grace_period_secs: float):
+  """A ``MonitoredTrainingSession``, or, without `recover`, its equal.
+
+  Without `recover`: a ``SingularMonitoredSession`` (which raises what a
+  step raises instead of recreating the session) created as a chief's, with
+  the hooks ``MonitoredTrainingSession`` gives a chief, when `is_chief`:
+  the checkpoint saver and the summary writer.
+  """
+  if recover:
+    return tf.train.MonitoredTrainingSession(
+        master=master, is_chief=is_chief, checkpoint_dir=train_dir,
+        scaffold=scaffold, hooks=hooks, chief_only_hooks=chief_only_hooks,
+        config=config, save_checkpoint_secs=save_checkpoint_secs,
+        save_checkpoint_steps=save_checkpoint_steps,
+        save_summaries_steps=save_summaries_steps, log_step_count_steps=0,
+        stop_grace_period_secs=stop_grace_period_secs)
+  hooks = list(hooks)
+  if is_chief:
+    hooks += chief_only_hooks
+    if save_summaries_steps:
+      hooks.append(tf.train.SummarySaverHook(
+          save_steps=save_summaries_steps, output_dir=train_dir,
+          scaffold=scaffold))
+    hooks.append(tf.train.CheckpointSaverHook(
+        train_dir, save_secs=save_checkpoint_secs,
+        save_steps=save_checkpoint_steps, scaffold=scaffold))
+  return tf.train.SingularMonitoredSession(
+      hooks=hooks, scaffold=scaffold, master=master, config=config,
+      checkpoint_dir=train_dir if is_chief else None,
+      stop_grace_period_secs=stop_grace_period_secs)
 
 
 def evaluate_checkpoints(evaluate_once: Callable[[str], float],
