@@ -86,6 +86,7 @@ import mnist_data
 import mnist_model
 import towers
 import traindir
+import watchdog
 
 # 'cpu', 'gpu', 'balanced', 'replicated', a device string or a device
 # function.
@@ -128,6 +129,8 @@ BOUNDS = {
     "task_index": dict(at_least=0),
     "replicas_to_aggregate": dict(at_least=1),
     "startup_timeout_secs": dict(above=0),
+    "step_timeout_secs": dict(above=0),
+    "stall_log_secs": dict(above=0),
     "pack_bytes": dict(at_least=0),
 }
 
@@ -146,7 +149,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       stage_inputs: bool = False,
                       wrap_optimizer: Optional[Callable[
                           [tf.train.Optimizer], tf.train.Optimizer]] = None,
-                      replicas: int = 1,
+                      replicas: int = 1, num_workers: int = 1,
                       seed: Optional[int] = None) -> TrainGraph:
   """Builds the input pipeline, the towers and the step in the default graph.
 
@@ -187,6 +190,9 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     wrap_optimizer: wraps the momentum optimizer, e.g. in a
       ``tf.train.SyncReplicasOptimizer``.
     replicas: how many workers' gradients one global step applies.
+    num_workers: in collective mode, the number of workers whose towers'
+      gradients are all-reduced together (`towers.minimize`'s
+      ``num_workers``); 1 otherwise.
     seed: the graph's random seed (initial weights, dropout) and the
       shuffle seed, for repeatable runs; None for new ones every run.
 
@@ -239,6 +245,9 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
   opt = tf.train.MomentumOptimizer(lr, momentum)
   if wrap_optimizer is not None:
     opt = wrap_optimizer(opt)
+  # Passed only in collective mode, which the library's other modes do not
+  # take.
+  cluster_kwargs = {"num_workers": num_workers} if num_workers > 1 else {}
   train_op, t = towers.minimize(model_fn, opt, num_towers, inputs=next_batch,
                                 devices=list(devices),
                                 compute_dtype=precision,
@@ -247,7 +256,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                                 all_reduce=all_reduce,
                                 average_device=average_device,
                                 pack_bytes=pack_bytes,
-                                global_step=global_step)
+                                global_step=global_step, **cluster_kwargs)
   summary_op = common.training_summaries(t, lr)
   return TrainGraph(train_op=train_op, loss=t.loss, global_step=global_step,
                     learning_rate=lr, summary_op=summary_op, towers=t,
@@ -272,6 +281,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           job_name: str = "worker", task_index: int = 0,
           replicas_to_aggregate: Optional[int] = None,
           startup_timeout_secs: float = 60.0,
+          step_timeout_secs: Optional[float] = 300.0,
+          stall_log_secs: float = 30.0,
           mirrors: Optional[Sequence[str]] = mnist_data.MNIST_MIRRORS,
           seed: Optional[int] = None) -> int:
   """Trains until the global step reaches `max_steps`; returns that step.
@@ -359,15 +370,24 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       save_checkpoint_steps=save_checkpoint_steps,
       save_summaries_steps=save_summaries_steps, task_index=task_index,
       replicas_to_aggregate=replicas_to_aggregate,
-      startup_timeout_secs=startup_timeout_secs, pack_bytes=pack_bytes)
+      startup_timeout_secs=startup_timeout_secs, pack_bytes=pack_bytes,
+      step_timeout_secs=step_timeout_secs, stall_log_secs=stall_log_secs)
   common.check_dir("train_dir", train_dir)
   common.check_dir("data_dir", data_dir)
   distributed = bool(ps_hosts or worker_hosts)
-  common.check_variable_flags(variable_device, all_reduce, distributed)
+  collective = distributed and not ps_hosts
+  common.check_variable_flags(variable_device, all_reduce, distributed,
+                              collective)
   common.check_precision(precision, distributed)
   replicas = 1
   if distributed:
     replicas = replicas_to_aggregate or len(worker_hosts)
+    if collective and replicas != len(worker_hosts):
+      raise cluster.ClusterError(
+          "--replicas_to_aggregate=%d but collective mode (no --ps_hosts) "
+          "has no backup workers: every step all-reduces the gradients of "
+          "all %d workers; drop --replicas_to_aggregate, or give "
+          "--ps_hosts" % (replicas, len(worker_hosts)))
     if not 1 <= replicas <= len(worker_hosts):
       raise cluster.ClusterError(
           "--replicas_to_aggregate=%d but --worker_hosts lists %d workers; "
@@ -377,7 +397,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     task = cluster.start_task(ps_hosts, worker_hosts, job_name, task_index,
                               num_gpus,
                               log_device_placement=log_device_placement,
-                              startup_timeout_secs=startup_timeout_secs)
+                              startup_timeout_secs=startup_timeout_secs,
+                              step_timeout_secs=step_timeout_secs)
     if seed is not None:
       seed += task_index  # Each worker its own shuffle order.
   if data_dir is None:
@@ -403,8 +424,23 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   with state.lock:
     if traindir.finished(state, train_dir, max_steps):
       return state.global_step or 0
-    if distributed:
+    if collective:
+      # Every worker builds the same graph on its own task; the towers of
+      # all workers all-reduce their gradients in one collective group.
+      scope = task.worker_device
+      graph_kwargs = dict(variable_device="replicated",
+                          all_reduce="collective", replicas=replicas,
+                          num_workers=task.num_workers)
+      # Every worker creates its session as a chief would (no parameter
+      # server holds shared variables); only worker 0 restores and saves.
+      session_kwargs = dict(master=task.server.target, is_chief=task.is_chief,
+                            stop_grace_period_secs=5, recover=False)
+    elif distributed:
       setter = cluster.device_setter(task)
+      # The setter around the whole graph puts the step counter and the
+      # optimizer's slots on the parameter servers and everything else on
+      # this worker; the towers use it for their variables.
+      scope = setter
       graph_kwargs = dict(
           variable_device=setter,
           average_device=task.worker_device + "/cpu:0",
@@ -416,15 +452,14 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       # token queue runner, which only the close itself ends, is not one of
       # them (cluster.sync_replicas_hook).
       session_kwargs = dict(master=task.server.target,
-                            is_chief=task.is_chief, stop_grace_period_secs=5)
+                            is_chief=task.is_chief, stop_grace_period_secs=5,
+                            save_when_stuck=True)
     else:
+      scope = None
       graph_kwargs = dict(variable_device=variable_device,
                           all_reduce=all_reduce)
-    # In a cluster the setter around the whole graph puts the step counter
-    # and the optimizer's slots on the parameter servers and everything
-    # else on this worker; the towers use it for their variables.
     with tf.Graph().as_default(), (
-        tf.device(setter) if setter else contextlib.nullcontext()):
+        tf.device(scope) if scope else contextlib.nullcontext()):
       g = build_train_graph(
           devices=devices, batch_size=batch_size, train_files=train_files,
           num_examples=num_examples, learning_rate=learning_rate,
@@ -434,24 +469,79 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           precision=precision, xla=xla, stage_inputs=stage_inputs,
           **graph_kwargs)
       traindir.check_restores(state, tf.global_variables())
-      if not distributed:
-        common.log_variables(g.towers, variable_device, all_reduce)
+      if not distributed or collective:
+        common.log_variables(g.towers, graph_kwargs["variable_device"],
+                             all_reduce)
       common.log_packing(g.towers, pack_bytes)
       common.log_fast_paths(g.towers, precision, xla, stage_inputs)
-      if distributed:
+      dog = None
+      if collective:
+        # After the whole graph: the chief's values (restored, or
+        # initialized) go to every worker, then to every tower's copy.
+        with tf.control_dependencies(
+            [tf.train.Scaffold.default_local_init_op()]):
+          session_kwargs["local_init_op"] = towers.broadcast_variables()
+        session_kwargs["hooks"] = [cluster.VariablesDigestHook(g.global_step)]
+      elif distributed:
         session_kwargs["hooks"] = [
             cluster.sync_replicas_hook(g.optimizer, task.is_chief)]
         if not task.is_chief:
           cluster.wait_for_model(task.server.target, config)
-      return common.run_training(
-          g.train_op, g.loss, g.global_step, g.summary_op,
-          train_dir=train_dir, max_steps=max_steps,
-          examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
-          config=config, log_every=log_frequency,
-          save_checkpoint_secs=save_checkpoint_secs,
-          save_checkpoint_steps=save_checkpoint_steps,
-          save_summaries_steps=save_summaries_steps,
-          loss_scale=g.towers.loss_scale, **session_kwargs)
+      if distributed:
+        dog = session_kwargs["watchdog"] = _watchdog(
+            task, g.global_step, train_dir, stall_log_secs,
+            step_timeout_secs)
+      try:
+        return common.run_training(
+            g.train_op, g.loss, g.global_step, g.summary_op,
+            train_dir=train_dir, max_steps=max_steps,
+            examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
+            config=config, log_every=log_frequency,
+            save_checkpoint_secs=save_checkpoint_secs,
+            save_checkpoint_steps=save_checkpoint_steps,
+            save_summaries_steps=save_summaries_steps,
+            loss_scale=g.towers.loss_scale, **session_kwargs)
+      except tf.errors.OpError as e:
+        if dog is None:
+          raise
+        raise watchdog.PeerLost(dog.explain(e)) from e
+
+
+def _watchdog(task: cluster.Task, global_step: tf.Tensor, train_dir: str,
+              stall_log_secs: float, step_timeout_secs: Optional[float]
+             ) -> watchdog.Watchdog:
+  """The worker's watchdog: what its steps wait for, and how to resume."""
+  if task.collective:
+    waiting_for = ("the collective all-reduce with every worker (%s)"
+                   % ", ".join(task.cluster.job_tasks("worker")))
+  else:
+    waiting_for = ("the parameter servers (%s) and, through "
+                   "SyncReplicasOptimizer's tokens, the other workers' "
+                   "gradients" % ", ".join(task.cluster.job_tasks("ps")))
+
+  def advice():
+    saved = None
+    try:
+      saved = tf.train.latest_checkpoint(train_dir)
+    except (tf.errors.OpError, OSError, ValueError):
+      pass  # Not readable from this worker: the chief's own directory.
+    resume = ("the chief's last checkpoint, step %s in %s"
+              % (saved.rsplit("-", 1)[1], train_dir) if saved else
+              "the chief's last checkpoint in --train_dir")
+    if task.collective:
+      return ("Collective mode has no backup workers: every worker stops. "
+              "Restart every worker with the same flags: training resumes "
+              "from %s (the steps after it are lost)" % resume)
+    return ("Restart the lost task with the same flags (the workers recover "
+            "a parameter server that comes back); or restart the cluster: "
+            "training resumes from %s (the steps after it are lost)"
+            % resume)
+
+  return watchdog.Watchdog(
+      global_step, waiting_for, cluster.peers(task),
+      log_after_secs=stall_log_secs,
+      timeout_secs=step_timeout_secs + 15 if step_timeout_secs else None,
+      advice=advice)
 
 
 FLAGS = flags.FLAGS
@@ -516,7 +606,19 @@ def define_flags() -> None:
                        "applied per global step (default: all workers; "
                        "fewer makes the others backup workers).")
   flags.DEFINE_float("startup_timeout_secs", 60, "Seconds a worker waits "
-                     "for the parameter servers and the chief.")
+                     "for the parameter servers (collective mode: the other "
+                     "workers) and the chief.")
+  flags.DEFINE_float("step_timeout_secs", 300, "In a cluster, a session op "
+                     "waiting longer for another task fails, and a worker "
+                     "with no step done for 15 s more (a session that "
+                     "cannot be created included) stops, saying what it "
+                     "waited for and how to resume. Synchronous steps wait "
+                     "for the slowest worker: keep it well above a step's "
+                     "time and a restarted task's start-up.")
+  flags.DEFINE_float("stall_log_secs", 30, "In a cluster, a step (or "
+                     "session creation) running longer logs what it waits "
+                     "for and which tasks do not accept connections, then "
+                     "again every min(60, this) seconds.")
   flags.DEFINE_list("mirrors", list(mnist_data.MNIST_MIRRORS), "Base URLs "
                     "to download missing MNIST files from (comma "
                     "separated; empty for no download).")
@@ -525,7 +627,8 @@ def define_flags() -> None:
 
 def main(argv):
   expected = (mnist_data.DataError, FloatingPointError, cluster.ClusterError,
-              TimeoutError, common.FlagError, traindir.TrainDirError)
+              TimeoutError, common.FlagError, traindir.TrainDirError,
+              watchdog.PeerLost)
   return common.run_main(argv, lambda: train(
       train_dir=FLAGS.train_dir, data_dir=FLAGS.data_dir, dataset=FLAGS.dataset,
       num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,
@@ -544,7 +647,9 @@ def main(argv):
       ps_hosts=FLAGS.ps_hosts, worker_hosts=FLAGS.worker_hosts,
       job_name=FLAGS.job_name, task_index=FLAGS.task_index,
       replicas_to_aggregate=FLAGS.replicas_to_aggregate,
-      startup_timeout_secs=FLAGS.startup_timeout_secs), expected)
+      startup_timeout_secs=FLAGS.startup_timeout_secs,
+      step_timeout_secs=FLAGS.step_timeout_secs,
+      stall_log_secs=FLAGS.stall_log_secs), expected)
 
 
 if __name__ == "__main__":
