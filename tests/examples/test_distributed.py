@@ -175,6 +175,8 @@ def handle(signum, frame):
 signal.signal(signal.SIGTERM, handle)
 signal.signal(signal.SIGINT, handle)
 record("started")
+with open(os.path.join(args["log_dir"], name), "a") as f:
+  f.write("pid %d\n" % os.getpid())
 while True:
   time.sleep(0.1)
 """
@@ -275,8 +277,14 @@ def test_host_lists_that_differ_from_the_chiefs_are_a_clear_error(
 
 
 def test_the_cluster_flags_are_checked():
-  with pytest.raises(ValueError, match="--ps_hosts is empty"):
-    cluster_lib.make_cluster([], ["a:1"], "worker", 0)
+  with pytest.raises(ValueError, match="--worker_hosts is empty"):
+    cluster_lib.make_cluster(["a:1"], [], "ps", 0)
+  with pytest.raises(ValueError, match="--job_name=ps but --ps_hosts is "
+                     "empty"):
+    cluster_lib.make_cluster([], ["a:1"], "ps", 0)
+  # No parameter servers: a collective cluster.
+  assert cluster_lib.make_cluster([], ["a:1"], "worker", 0).jobs == [
+      "worker"]
   with pytest.raises(ValueError, match="not host:port"):
     cluster_lib.make_cluster(["a"], ["b:1"], "worker", 0)
   with pytest.raises(ValueError, match="listed more than once"):
@@ -297,3 +305,206 @@ def test_a_worker_waiting_for_a_missing_chief_is_a_clear_error():
       cluster_lib.wait_for_model(server.target, tf.ConfigProto(),
                                  timeout_secs=1)
   assert time.time() - started < 30
+
+
+# Failures (issue 15). Each test bounds every wait; the cluster's context
+# stops every task, also when the test fails, and on Linux a task dies with
+# the process that started it.
+
+
+def _steps(log, worker):
+  return [step for _, step, _ in log.steps(worker)]
+
+
+def _wait_for_step(log, worker, step, timeout):
+  _wait(lambda: any(s >= step for s in _steps(log, worker)), timeout,
+        "%s to reach step %d" % (worker, step))
+
+
+def _exit_code(proc, timeout, log):
+  """The task's exit code; fails the test when it runs past `timeout`."""
+  try:
+    return proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    raise AssertionError("still running after %ds:\n%s"
+                         % (timeout, log.text()[-4000:])) from None
+
+
+def _lines(log, worker, words):
+  return [line for line in log.lines
+          if line.startswith("[%s]" % worker) and words in line]
+
+
+def _saved_step(train_dir):
+  return int(tf.train.latest_checkpoint(train_dir).rsplit("-", 1)[1])
+
+
+def test_collective_workers_stop_together_on_any_loss_and_resume(
+    data_dir, tmp_path):
+  """2 workers of 2 towers, no ps: kills and SIGTERMs, each then a restart.
+
+  A lost worker (SIGKILL, or SIGTERM to one) stops every other within
+  seconds, with the message that says how to resume; every restart resumes
+  from the chief's last checkpoint; SIGTERM to the chief saves first; at
+  the end both workers hold identical variables, and the single-device
+  evaluation restores the chief's checkpoint.
+  """
+  train_dir = str(tmp_path / "train")
+  log = Log()
+  args = _train_args(data_dir, train_dir, 60, "--save_checkpoint_steps=10",
+                     "--step_timeout_secs=30", "--stall_log_secs=3")
+  args.remove("--save_checkpoint_steps=20")
+  stopped = "Collective mode has no backup workers: every worker stops"
+  with launch_local_cluster.Cluster(TRAIN, 0, 2, args, out=log) as c:
+    resumed = 0
+    for victim, how in (("worker1", signal.SIGKILL),
+                        ("worker0", signal.SIGKILL),
+                        ("worker0", signal.SIGTERM)):
+      del log.lines[:]
+      c.start_all()
+      if resumed:
+        _wait(lambda: _lines(log, "worker0", "Restoring parameters from")
+              and _steps(log, "worker0"), 120, "the restart's first step")
+        # The global step goes on from the checkpoint.
+        assert min(_steps(log, "worker0")) > resumed, log.text()[-4000:]
+      _wait_for_step(log, "worker0", resumed + 8, 120)
+      os.killpg(c.tasks[victim].pid, how)
+      killed = time.time()
+      survivor = "worker1" if victim == "worker0" else "worker0"
+      code = _exit_code(c.tasks[survivor], 60, log)
+      # A peer that exits fails the all-reduce at once; well within the
+      # --step_timeout_secs of a peer that hangs.
+      assert time.time() - killed < 30, log.text()[-4000:]
+      assert code == 1, log.text()[-4000:]
+      message = _lines(log, survivor, stopped)
+      assert message and ("resumes from the chief's last checkpoint, step %d"
+                          % _saved_step(train_dir)) in message[0], message
+      victim_code = _exit_code(c.tasks[victim], 60, log)
+      if how == signal.SIGTERM:
+        assert victim_code == 128 + signal.SIGTERM, log.text()[-4000:]
+      if (victim, how) == ("worker0", signal.SIGTERM):
+        saved = re.findall(r"\[worker0\].*Received SIGTERM at step (\d+): "
+                           r"saved a checkpoint", log.text())
+        assert saved and _saved_step(train_dir) == int(saved[0]), \
+            log.text()[-4000:]
+      resumed = _saved_step(train_dir)
+    del log.lines[:]
+    c.start_all()
+    codes = [_exit_code(c.tasks[w], 120, log) for w in ("worker0", "worker1")]
+  assert codes == [0, 0], log.text()[-4000:]
+  assert tf.train.load_variable(train_dir, "global_step") == 60
+  digests = re.findall(r"\[(worker\d)\].*Variables at step 60: sha256 (\w+)",
+                       log.text())
+  assert len(digests) == 2 and digests[0][1] == digests[1][1], digests
+  result = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=data_dir,
+                               eval_dir=str(tmp_path / "eval"), run_once=True,
+                               mirrors=())
+  assert result.global_step == 60
+
+
+def test_parameter_server_mode_workers_killed_and_restarted_rejoin(
+    data_dir, tmp_path):
+  """A non-chief worker killed and restarted rejoins; a killed chief
+  restarted resumes from its last checkpoint, the global step going on."""
+  train_dir = str(tmp_path / "train")
+  log = Log()
+  args = _train_args(data_dir, train_dir, 80, "--save_checkpoint_steps=10",
+                     "--step_timeout_secs=120", "--stall_log_secs=3")
+  args.remove("--save_checkpoint_steps=20")
+  with launch_local_cluster.Cluster(TRAIN, 1, 2, args, out=log) as c:
+    c.start_all()
+    _wait_for_step(log, "worker1", 10, 180)
+    os.killpg(c.tasks["worker1"].pid, signal.SIGKILL)
+    c.tasks["worker1"].wait(timeout=10)
+    time.sleep(3)
+    del log.lines[:]
+    c.start("worker", 1)
+    _wait(lambda: _steps(log, "worker1"), 120, "worker1 to rejoin")
+    os.killpg(c.tasks["worker0"].pid, signal.SIGKILL)
+    c.tasks["worker0"].wait(timeout=10)
+    before = _saved_step(train_dir)
+    del log.lines[:]
+    c.start("worker", 0)
+    codes = [_exit_code(c.tasks[w], 180, log) for w in ("worker0", "worker1")]
+  assert codes == [0, 0], log.text()[-4000:]
+  assert _lines(log, "worker0", "Restoring parameters from %s"
+                % os.path.join(train_dir, "model.ckpt-%d" % before)), \
+      log.text()[-4000:]
+  assert min(_steps(log, "worker0")) > before
+  assert tf.train.load_variable(train_dir, "global_step") == 80
+
+
+def test_a_lost_parameter_server_is_recovered_or_stops_the_workers(
+    data_dir, tmp_path):
+  """The workers say what they wait for; a ps back in time is recovered
+  (the chief restores its last checkpoint into it); a ps gone for good
+  stops every worker with a clear message within the bound."""
+  train_dir = str(tmp_path / "train")
+  log = Log()
+  args = _train_args(data_dir, train_dir, 100000,
+                     "--save_checkpoint_steps=10", "--step_timeout_secs=15",
+                     "--stall_log_secs=3")
+  args.remove("--save_checkpoint_steps=20")
+  with launch_local_cluster.Cluster(TRAIN, 1, 2, args, out=log) as c:
+    c.start_all()
+    _wait_for_step(log, "worker0", 12, 180)
+    os.killpg(c.tasks["ps0"].pid, signal.SIGKILL)
+    c.tasks["ps0"].wait(timeout=10)
+    saved = _saved_step(train_dir)
+    _wait(lambda: all(len(_lines(log, w, "not accepting connections: ps0"))
+                      >= 2 for w in ("worker0", "worker1")), 30,
+          "both workers to say twice that they wait for ps0")
+    del log.lines[:]
+    c.start("ps", 0)
+    _wait(lambda: _lines(log, "worker0", "Restoring parameters from")
+          and _steps(log, "worker0"), 60, "the chief to recover")
+    assert min(_steps(log, "worker0")) > saved
+    os.killpg(c.tasks["ps0"].pid, signal.SIGKILL)
+    killed = time.time()
+    codes = [_exit_code(c.tasks[w], 90, log) for w in ("worker0", "worker1")]
+    took = time.time() - killed
+  assert codes == [1, 1], log.text()[-4000:]
+  # 15 s without a step, plus the 15 s the watchdog leaves the session's
+  # own operation timeout, plus slack for a loaded machine.
+  assert took < 60, log.text()[-4000:]
+  for worker in ("worker0", "worker1"):
+    stop = _lines(log, worker, "Stopping: Restart the lost task")
+    assert stop and "ps0 (%s)" % c.ps_hosts[0] in stop[0], log.text()[-4000:]
+
+
+def test_the_launchers_tasks_die_with_it_even_by_sigkill(tmp_path):
+  script = tmp_path / "task.py"
+  script.write_text(FAKE_TASK)
+  log_dir = tmp_path / "log"
+  log_dir.mkdir()
+  launcher = subprocess.Popen(
+      [sys.executable, os.path.join(EXAMPLES, "launch_local_cluster.py"),
+       "--num_ps=1", "--num_workers=2", "--script=%s" % script, "--",
+       "--log_dir=%s" % log_dir], stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
+  names = ("ps0", "worker0", "worker1")
+  pids = []
+  try:
+    _wait(lambda: all("pid" in _events(str(log_dir), n) for n in names), 60,
+          "the tasks to start")
+    pids[:] = [int(_events(str(log_dir), n)["pid"]) for n in names]
+    launcher.kill()
+    launcher.wait(timeout=10)
+    _wait(lambda: not any(_alive(p) for p in pids), 10,
+          "the tasks to die with the launcher")
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait()
+    for pid in pids:
+      if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid):
+  """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+  try:
+    with open("/proc/%d/stat" % pid) as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
