@@ -754,6 +754,89 @@ def fast_paths_markdown(results: Dict[str, object]) -> List[str]:
   return lines
 
 
+def _per_worker(tasks: Optional[Dict[str, Dict[str, float]]]) -> str:
+  """Each worker's MiB sent / received per step: ``"worker:0 1.5 / 1.5"``."""
+  if not tasks:
+    return "-"
+  return "; ".join("%s %s / %s" % (task, _mib(f["sent_bytes"]),
+                                    _mib(f["received_bytes"]))
+                   for task, f in sorted(tasks.items()))
+
+
+def across_workers_markdown(results: Dict[str, object]) -> List[str]:
+  """Returns the across-workers table: each cluster against 1 x 4."""
+  section = results.get("across_workers")
+  if not section:
+    return []
+  rows = section["rows"]
+  base = next(r for r in rows if r["num_workers"] == 1)
+  size = base["parameter_bytes"]
+  steps = max(r["measured_steps"] for r in rows)
+  lines = [
+      "### Across workers: %s, %d workers x %d towers against %d x %d, %d "
+      "per tower (global batch %d)%s" % (
+          section["title"], rows[-1]["num_workers"],
+          rows[-1]["towers_per_worker"], base["num_workers"],
+          base["towers_per_worker"], section["per_tower_batch"],
+          base["global_batch"],
+          " (quick run)" if results.get("quick") else ""), "",
+      "The same model on 4 towers of the same batch each: in one process "
+      "(towers.minimize's default, one copy of the variables on /cpu:0), "
+      "or in 2 worker processes of 2 towers each, tasks of a cluster on "
+      "127.0.0.1 (a tf.train.Server each): with a parameter-server "
+      "process (variables on the ps, each worker's towers averaged on its "
+      "CPU, SyncReplicasOptimizer aggregating the 2 workers' averages), "
+      "or without one (variable_device='replicated', one collective "
+      "all-reduce over all 4 towers: all_reduce='collective', "
+      "num_workers=2). Timed in the same rounds; a step's time is its "
+      "slowest worker's. x 1 x 4: examples/sec over the one process's, "
+      "with its 95%% bootstrap interval. MiB per worker per step, sent / "
+      "received, of the parameters (P = %s MiB): "
+      "*counted* from one step's partition graphs (each _Send between two "
+      "tasks, sized by its tensor), plus the collective's ring from its "
+      "algorithm (the ring of N = 4 members passes each task's members in "
+      "a row, so one member per task sends 2(N-1)/N of every tensor to "
+      "the other task); *measured*: the TCP bytes each worker process "
+      "sent (acknowledged) and received on its sockets over %d steps "
+      "(the kernel's tcp_info, read with ss), gRPC's framing and control "
+      "messages included; *formula*: P each way with a ps (the worker's "
+      "averaged gradient out, each variable in once), 2(N-1)/N P each way "
+      "around the ring. Every task shares this machine's cores and "
+      "loopback is no network: the ratios show what the cluster runtime "
+      "costs on one machine; the bytes are what a network would carry."
+      % (_mib(size), steps), "",
+      "| cluster | workers x towers | examples/sec | x 1 x 4 | step ms "
+      "(median [q1, q3]) | MiB per worker per step: counted | measured "
+      "(TCP) | formula |",
+      "|---|---|---:|---:|---:|---|---|---|"]
+  for row in rows:
+    low, high = row["ratio_interval"]
+    want = row["expected"]
+    lines.append(
+        "| %s | %d x %d | %.1f | %.3fx [%.3f, %.3f] | %.1f [%.1f, %.1f] | "
+        "%s | %s | %s |" % (
+            row["title"], row["num_workers"], row["towers_per_worker"],
+            row["examples_per_sec"], row["ratio_to_baseline"], low, high,
+            1e3 * row["median_step_sec"], 1e3 * row["q1_step_sec"],
+            1e3 * row["q3_step_sec"],
+            _per_worker(row["counted"]) if row["num_workers"] > 1 else "-",
+            _per_worker(row["measured"]),
+            "%s / %s" % (_mib(want["sent_bytes"]),
+                         _mib(want["received_bytes"])) if want else "-"))
+  unsized = sorted({n for r in rows for c in r["counted"].values()
+                    for n in c["unsized"]})
+  lines.append("")
+  if unsized:
+    lines += ["Sent tensors of unknown size, in no count: %s."
+              % ", ".join(unsized), ""]
+  if any(r["num_workers"] > 1 and not r["measured"] for r in rows):
+    lines += ["Measured: not available here (ss -tinp failed).", ""]
+  lines += ["Other processes during the kept rounds: %s; rounds repeated: "
+            "%d." % (quiet.describe(section["rounds"]["foreign_cores"]),
+                     section["rounds"]["repeated_rounds"]), ""]
+  return lines
+
+
 def _size(size: int) -> str:
   if size % 1024 == 0:
     return "%d KiB" % (size // 1024)
@@ -867,6 +950,7 @@ def markdown(results: Dict[str, object]) -> str:
     lines += ["", _targets_line(results, build["targets"]), ""]
   lines += batch_norm_markdown(results)
   lines += fast_paths_markdown(results)
+  lines += across_workers_markdown(results)
   return "\n".join(lines)
 
 

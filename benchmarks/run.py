@@ -30,10 +30,14 @@ gradient set (time and peak memory), the graph build time and op count
 of 1, 2, 4 and 8 towers, synchronized batch norm
 (`towers.batch_normalization`) against per-tower
 ``tf.compat.v1.layers.batch_normalization`` on a small ResNet-ish CNN at 2
-and 4 towers (`benchmarks.batch_norm`), and last the fast paths on the MNIST
-and CIFAR-10 CNNs (`benchmarks.fast_paths`): ``stage_inputs=True`` against
-the same ``tf.data`` input unstaged at 2 and 4 towers, and bfloat16, float16
-(loss-scaled) and XLA against float32 at 2 towers. Every graph variant
+and 4 towers (`benchmarks.batch_norm`), the fast paths on the MNIST and
+CIFAR-10 CNNs (`benchmarks.fast_paths`): ``stage_inputs=True`` against the
+same ``tf.data`` input unstaged at 2 and 4 towers, and bfloat16, float16
+(loss-scaled) and XLA against float32 at 2 towers, and last a CNN (MNIST's
+by default) across workers (`benchmarks.across_workers`): 2 workers x 2
+towers on loopback, with a parameter server and with a collective
+all-reduce, each task a process of its own, against 1 worker x 4 towers,
+with the bytes each worker sends and receives per step. Every graph variant
 also counts the bytes and tensors that cross between its devices in one
 untimed step, beside the figure its design predicts (`benchmarks.traffic`).
 Warm-up steps are not timed; variants are interleaved in rounds (each round
@@ -49,7 +53,8 @@ and it gives no verdicts on the targets. A section given no sizes is skipped:
 ``--workloads= --packing_kib= --averaging_shape= --build_towers=`` runs the
 batch-norm comparison and the fast paths alone, ``--batch_norm_towers=``
 skips the one, ``--fast_paths_workloads=`` the other (``--staging_towers=``
-or ``--precision_towers=`` a part of it). See docs/performance.md.
+or ``--precision_towers=`` a part of it); ``--noacross_workers`` skips the
+section across workers, in a quick run too. See docs/performance.md.
 """
 
 import datetime
@@ -76,6 +81,7 @@ from absl import logging
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from benchmarks import across_workers
 from benchmarks import averaging
 from benchmarks import batch_norm
 from benchmarks import build_time
@@ -381,6 +387,37 @@ def fast_paths_comparison(*, workload_names: Sequence[str],
   return result
 
 
+def across_workers_comparison(*, workload_name: str, per_tower_batch: int,
+                              measure_steps: int, own_pids: List[int],
+                              quiet_policy: Quiet, warmup: int, rounds: int,
+                              steps: int) -> Dict[str, object]:
+  """Times 2 workers x 2 towers (ps, collective) against 1 x 4, interleaved.
+
+  Every task is a process of its own (`benchmarks.across_workers`); their
+  pids join `own_pids`, so that the rounds count their CPU time as the
+  benchmark's own.
+  """
+  started = time.time()
+  clusters = across_workers.start(workload=workload_name,
+                                  per_tower_batch=per_tower_batch)
+  try:
+    own_pids.extend(pid for c in clusters.values() for pid in c.pids)
+    across_workers.prepare(clusters, measure_steps)
+    logging.info("across workers: timing %s on %s, %d per tower",
+                 ", ".join(clusters), workload_name, per_tower_batch)
+    times, rounds_info = interleave(clusters, warmup=warmup, rounds=rounds,
+                                    steps=steps, quiet_policy=quiet_policy)
+  finally:
+    for cluster in clusters.values():
+      cluster.close()
+  result = across_workers.result(
+      clusters, times, workload=workload_name,
+      title=workloads.WORKLOADS[workload_name].title,
+      per_tower_batch=per_tower_batch, rounds_info=rounds_info)
+  result["seconds"] = time.time() - started
+  return result
+
+
 def average_gradients_result(peaks: averaging.PeakMeasurements, *,
                              num_towers: int, num_vars: int, num_floats: int,
                              peak_tower_counts: Sequence[int],
@@ -427,6 +464,8 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         fast_paths_workloads: Sequence[str] = (),
         staging_towers: Sequence[int] = (), staging_batch: int = 256,
         precision_towers: Sequence[int] = (), precision_batch: int = 64,
+        across_workers_workload: str = "", across_workers_batch: int = 64,
+        across_workers_measure_steps: int = 5,
         mirrored_skipped: Optional[str] = None,
         max_foreign_cores: float = 0.25, quiet_wait_seconds: float = 0.0,
         chart: bool = True) -> Dict[str, object]:
@@ -474,6 +513,13 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     precision_towers: the tower counts at which bfloat16, float16 and XLA
       are timed against float32; empty skips them.
     precision_batch: their global batch.
+    across_workers_workload: the workload ("mnist", "cifar10") trained on
+      2 workers x 2 towers, with a parameter server and with a collective
+      all-reduce, against 1 worker x 4 towers
+      (`benchmarks.across_workers`); empty skips it.
+    across_workers_batch: its batch per tower (the same in all three).
+    across_workers_measure_steps: the steps over which each worker's TCP
+      bytes are measured.
     mirrored_skipped: why the MirroredStrategy rows cannot run here
       (`mirrored.installed_unavailable_reason`), or None to run them.
     max_foreign_cores: other processes' cores above which a timed round
@@ -513,6 +559,10 @@ def run(*, out_dir: str, workload_names: Sequence[str],
                  "staging_batch": staging_batch,
                  "precision_towers": list(precision_towers),
                  "precision_batch": precision_batch,
+                 "across_workers_workload": across_workers_workload,
+                 "across_workers_batch": across_workers_batch,
+                 "across_workers_measure_steps":
+                     across_workers_measure_steps,
                  "warmup_steps": warmup, "rounds": rounds,
                  "untimed_steps_per_visit": 1,
                  "steps_per_round": steps, "num_devices": num_devices,
@@ -532,7 +582,10 @@ def run(*, out_dir: str, workload_names: Sequence[str],
       name, n, global_batches[name], num_devices)
              for name in workload_names for n in tower_counts
              if has_mirrored(name) and not mirrored_skipped}
-  monitor = quiet.CpuMonitor(lambda: [w.pid for w in workers.values()])
+  # The across-workers section's processes, once started.
+  own_pids: List[int] = []
+  monitor = quiet.CpuMonitor(
+      lambda: [w.pid for w in workers.values()] + own_pids)
   quiet_policy = Quiet(monitor, max_foreign_cores, quiet_wait_seconds)
   peak_tower_counts = []
   if averaging_shape:
@@ -600,6 +653,13 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         staging_batch=staging_batch, precision_towers=precision_towers,
         precision_batch=precision_batch, num_devices=num_devices,
         quiet_policy=quiet_policy, warmup=warmup, rounds=rounds, steps=steps)
+  # Last: its six processes start once every section before it is done.
+  if across_workers_workload:
+    results["across_workers"] = across_workers_comparison(
+        workload_name=across_workers_workload,
+        per_tower_batch=across_workers_batch,
+        measure_steps=across_workers_measure_steps, own_pids=own_pids,
+        quiet_policy=quiet_policy, warmup=warmup, rounds=rounds, steps=steps)
   results["quiet_waited_seconds"] = quiet_policy.waited
   report.add_targets(results)
   results["load_average_end"] = load_average()
@@ -643,7 +703,9 @@ def main(argv):
         packing_batch=8, packing_max_variables=8, batch_norm_towers=[2, 4],
         batch_norm_batch=8, fast_paths_workloads=["mnist"],
         staging_towers=[2], staging_batch=8, precision_towers=[2],
-        precision_batch=2, quiet_wait_seconds=0)
+        precision_batch=2, across_workers_workload="mnist",
+        across_workers_batch=2, across_workers_measure_steps=2,
+        quiet_wait_seconds=0)
   else:
     settings = dict(
         workload_names=FLAGS.workloads,
@@ -669,7 +731,11 @@ def main(argv):
         staging_batch=FLAGS.staging_batch,
         precision_towers=[int(n) for n in FLAGS.precision_towers if n],
         precision_batch=FLAGS.precision_batch,
+        across_workers_workload=FLAGS.across_workers_workload,
+        across_workers_batch=FLAGS.across_workers_batch,
         quiet_wait_seconds=60 * FLAGS.quiet_wait_minutes)
+  if not FLAGS.across_workers:
+    settings["across_workers_workload"] = ""
   settings["max_foreign_cores"] = FLAGS.max_foreign_cores
   run(out_dir=default_out(FLAGS.out, FLAGS.quick), quick=FLAGS.quick,
       mirrored_skipped=mirrored.installed_unavailable_reason(),
@@ -738,6 +804,17 @@ def define_flags():
                        "precision rows: small, since bfloat16 and float16 "
                        "steps on a CPU without their instructions take "
                        "several times float32's.")
+  flags.DEFINE_boolean("across_workers", True, "Time 2 workers x 2 towers "
+                       "on loopback (a parameter-server cluster and a "
+                       "collective one, each task a process) against 1 "
+                       "worker x 4 towers, last (benchmarks/"
+                       "across_workers.py); --noacross_workers skips it, "
+                       "in a quick run too.")
+  flags.DEFINE_enum("across_workers_workload", "mnist", ["mnist", "cifar10"],
+                    "The model trained across workers.")
+  flags.DEFINE_integer("across_workers_batch", 64, "Batch per tower across "
+                       "workers (the global batch is 4 times it in all "
+                       "three).")
   flags.DEFINE_integer("warmup", 3, "Untimed steps per variant.")
   flags.DEFINE_integer("rounds", 10, "Interleaved rounds.")
   flags.DEFINE_integer("steps", 3, "Timed steps per variant per round.")

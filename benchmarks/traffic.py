@@ -61,6 +61,17 @@ def device_name(device: str) -> str:
                     spec.device_index or 0)
 
 
+def task_name(device: str) -> str:
+  """Returns the task a device is on, ``"worker:1"``; ``"local"`` if none.
+
+  Devices of one process spell no job: they are all one task's.
+  """
+  spec = tf.DeviceSpec.from_string(device)
+  if not spec.job:
+    return "local"
+  return "%s:%d" % (spec.job, spec.task or 0)
+
+
 def _downstream(ops: Iterable[tf.Operation]) -> Set[str]:
   """Returns the names of `ops` and of every op that reads their outputs."""
   seen: Set[str] = set()
@@ -102,7 +113,8 @@ def _ring(devices: Dict[str, Dict[str, float]], device: str, size: float,
 
 def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
           parameters: Sequence[tf.Variable],
-          inputs: Sequence[tf.Tensor]) -> Dict[str, object]:
+          inputs: Sequence[tf.Tensor], *,
+          tasks: bool = False) -> Dict[str, object]:
   """Counts what one step's partition graphs move between devices.
 
   Args:
@@ -110,12 +122,19 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
     graph: the graph the step was built from.
     parameters: the trainable variables and their copies.
     inputs: the input batch's tensors, as read before the towers split it.
+    tasks: count what crosses between tasks (`task_name`) instead: a send
+      between two devices of one task is not counted, ``devices`` is keyed
+      by task. A collective's ring is then in ``collectives`` and
+      ``collective_bytes`` only, not in ``devices``: which members' ring
+      neighbours are on another task is not in the partition graphs of one
+      task's session (`benchmarks.across_workers` counts that part).
 
   Returns:
-    A dict: ``devices``, device -> the parameters' sent and received bytes
-    and tensors (`FIELDS`); ``input`` and ``other``, the bytes and tensors
-    sent in all of those kinds; ``control_edges``, the sends of control
-    edges; ``collectives``, the collective ops counted from their algorithm;
+    A dict: ``devices``, device (or task) -> the parameters' sent and
+    received bytes and tensors (`FIELDS`); ``input`` and ``other``, the
+    bytes and tensors sent in all of those kinds; ``control_edges``, the
+    sends of control edges; ``collectives``, the collective ops counted
+    from their algorithm;
     ``collective_bytes``, device -> the bytes its collective ops sum (their
     inputs); ``unsized``, the names of sent tensors whose size is unknown
     (in no other count).
@@ -128,6 +147,7 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
       return PARAMETERS
     return INPUT if op.name in from_inputs else OTHER
 
+  key = task_name if tasks else device_name
   devices: Dict[str, Dict[str, float]] = {}
   totals = {k: {"bytes": 0, "tensors": 0} for k in (INPUT, OTHER)}
   result = {"devices": devices, INPUT: totals[INPUT], OTHER: totals[OTHER],
@@ -137,12 +157,13 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
     nodes = {node.name: node for node in partition.node}
     for node in partition.node:
       if node.op in COLLECTIVE_OPS:
-        _count_collective(node, graph, kind, devices, result)
+        _count_collective(node, graph, kind, None if tasks else devices,
+                          result)
         continue
       if node.op not in SEND_OPS:
         continue
-      source = device_name(node.attr["send_device"].s.decode())
-      target = device_name(node.attr["recv_device"].s.decode())
+      source = key(node.attr["send_device"].s.decode())
+      target = key(node.attr["recv_device"].s.decode())
       if source == target:
         continue
       name = node.input[0]
@@ -167,7 +188,10 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
 
 
 def _count_collective(node, graph: tf.Graph, kind, devices, result) -> None:
-  """Counts one device's part of a ring all-reduce from its algorithm."""
+  """Counts one device's part of a ring all-reduce from its algorithm.
+
+  With `devices` None, only its bytes summed and the count (``tasks``).
+  """
   try:
     op = graph.get_operation_by_name(node.name)
   except KeyError:
@@ -186,7 +210,7 @@ def _count_collective(node, graph: tf.Graph, kind, devices, result) -> None:
   device = device_name(node.device)
   summed = result["collective_bytes"]
   summed[device] = summed.get(device, 0) + size
-  if n < 2:
+  if n < 2 or devices is None:
     return
   what = kind(op)
   if what == PARAMETERS:

@@ -20,6 +20,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from benchmarks import across_workers
 from benchmarks import batch_norm
 from benchmarks import fast_paths
 from benchmarks import graphs
@@ -40,7 +41,10 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   out = tmp_path / "bench"
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   done = subprocess.run(
-      [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
+      # The workers' section runs alone below
+      # (test_across_workers_runs_alone_and_counts_what_crosses_tasks).
+      [sys.executable, "-m", "benchmarks.run", "--quick", "--noacross_workers",
+       "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
       check=False)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -992,3 +996,112 @@ def test_minimize_arguments_and_a_dataset_only_for_minimized_variants():
     with pytest.raises(ValueError, match="only for a variant towers.minimize"):
       graphs.GraphStep(workload, graphs.PLAIN, 1, images, labels, 1,
                        **kwargs)
+
+
+def test_across_workers_runs_alone_and_counts_what_crosses_tasks(tmp_path):
+  # Every other section skipped; six processes (a ps, 2 + 2 workers, the
+  # baseline) on loopback, a batch of 2 per tower.
+  results = run.run(
+      out_dir=str(tmp_path), workload_names=[], tower_counts=[],
+      global_batches={}, warmup=1, rounds=2, steps=1, averaging_shape=[],
+      averaging_rounds=1, averaging_peak_towers=[], build_workload="mnist",
+      build_counts=[], build_repeats=1, quick=True,
+      across_workers_workload="mnist", across_workers_batch=2,
+      across_workers_measure_steps=2, chart=False)
+  section = results["across_workers"]
+  assert (section["workload"], section["per_tower_batch"]) == ("mnist", 2)
+  rows = {r["kind"]: r for r in section["rows"]}
+  assert list(rows) == list(across_workers.KINDS)
+  size = 4 * 3274634  # The MNIST CNN's parameters, P.
+  for kind, row in rows.items():
+    assert row["parameter_bytes"] == size, kind
+    assert row["global_batch"] == 8, kind
+    assert row["steps_timed"] == 2, kind
+    assert row["examples_per_sec"] > 0 and row["ratio_to_baseline"] > 0
+  base, ps, ring = rows["baseline"], rows["ps"], rows["collective"]
+  assert (base["num_workers"], base["towers_per_worker"]) == (1, 4)
+  assert base["ratio_to_baseline"] == 1.0
+  assert base["expected"] is None and base["measured"] is None
+  for row in (ps, ring):
+    assert (row["num_workers"], row["towers_per_worker"]) == (2, 2)
+    assert sorted(row["counted"]) == ["worker:0", "worker:1"]
+  # Around the ring of 4: 2 x 3/4 P each way per worker, exactly; 4
+  # collectives on each of its 2 devices, as in one process at 2 towers.
+  for task, counted in ring["counted"].items():
+    assert counted["ring_bytes"] == 1.5 * size, task
+    assert counted["sent_bytes"] == counted["received_bytes"] == 1.5 * size
+    assert counted["collectives"] == 2 * 4, task
+  assert ring["expected"]["sent_bytes"] == 1.5 * size
+  # With a ps: the averaged gradient out (P, and the local step), the
+  # variables in: each tower reads each one (and the weight decay two
+  # weights again), so more than P.
+  for task, counted in ps["counted"].items():
+    assert size <= counted["sent_bytes"] < 1.01 * size, task
+    assert counted["received_bytes"] > 2 * size, task
+    assert counted["ring_bytes"] == 0 and counted["unsized"] == [], task
+  assert ps["expected"] == {"sent_bytes": size, "received_bytes": size}
+  # The kernel's TCP bytes agree with the counts within gRPC's overhead.
+  if ps["measured"] is not None:
+    for row in (ps, ring):
+      for task, counted in row["counted"].items():
+        for field in ("sent_bytes", "received_bytes"):
+          assert row["measured"][task][field] == pytest.approx(
+              counted[field], rel=0.02), (row["kind"], task, field)
+  table = (tmp_path / "results.md").read_text()
+  assert ("### Across workers: MNIST CNN, 2 workers x 2 towers against 1 x "
+          "4, 2 per tower (global batch 8) (quick run)") in table
+  assert re.search(r"^\| 2 workers x 2 towers, collective all-reduce "
+                   r"\(replicated\) \| 2 x 2 \| .* \| worker:0 18\.7 / 18\.7; "
+                   r"worker:1 18\.7 / 18\.7 \| .* \| 18\.7 / 18\.7 \|$",
+                   table, re.M)
+  assert "| 1 worker x 4 towers (one process, variables on /cpu:0) | 1 x 4 |" \
+      in table
+  assert not VERDICT.search(table)
+
+
+def test_sends_between_tasks_are_counted_by_task():
+  graph = tf.Graph()
+  with graph.as_default():
+    with tf.device("/job:ps/task:0/cpu:0"):
+      w = tf.get_variable("w", [4, 4])  # 64 bytes.
+    read = w.value()
+    with tf.device("/job:worker/task:1/cpu:0"):
+      grad = tf.identity(read * 2.0, name="grad")
+
+  def send(name, tensor, source, target):
+    node = tf.NodeDef(name=name, op="_Send", input=[tensor])
+    node.attr["send_device"].s = source.encode()
+    node.attr["recv_device"].s = target.encode()
+    return node
+  ps0 = "/job:ps/replica:0/task:0/device:CPU:0"
+  w1 = "/job:worker/replica:0/task:1/device:CPU:%d"
+  partition = tf.GraphDef(node=[
+      send("a", read.name, ps0, w1 % 0),
+      send("b", grad.name, w1 % 0, w1 % 1),  # Within one task: not counted.
+      send("c", grad.name, w1 % 1, ps0)])
+  moved = traffic.count([partition], graph, [w], [], tasks=True)
+  assert moved["devices"] == {
+      "ps:0": _fields(64, 64, 1, 1), "worker:1": _fields(64, 64, 1, 1)}
+  # By device name alone, the tasks' devices are one: the ps's send to
+  # worker 1's cpu:0 is not counted, the send within worker 1 is.
+  by_device = traffic.count([partition], graph, [w], [])
+  assert by_device["devices"] == {
+      "cpu:0": _fields(64, 64, 1, 1), "cpu:1": _fields(64, 64, 1, 1)}
+  assert traffic.task_name("/cpu:3") == "local"
+  # A ring of 4 over 2 tasks crosses once from each: 3/2 of a member's sum.
+  assert across_workers.ring_across({"cpu:0": 80, "cpu:1": 80}, 4) == 120
+  assert across_workers.ring_across({"cpu:0": 80}, 1) == 0
+
+
+def test_tcp_bytes_are_read_per_process_from_ss():
+  text = (
+      "ESTAB 0 0 [::ffff:127.0.0.1]:34741 [::ffff:127.0.0.1]:59560 "
+      "users:((\"python\",pid=28373,fd=10))\n"
+      "\t bbr wscale:10,10 bytes_sent:4294 bytes_retrans:589 "
+      "bytes_acked:3705 bytes_received:256865 segs_out:6870\n"
+      "ESTAB 0 0 127.0.0.1:40319 127.0.0.1:55722 "
+      "users:((\"python\",pid=28375,fd=11))\n"
+      "\t cubic wscale:7,7 rto:204 segs_out:3\n")
+  assert across_workers.parse_ss(text) == [
+      across_workers.Socket((28373,), 3705, 256865),
+      across_workers.Socket((28375,), 0, 0)]
