@@ -341,7 +341,8 @@ def _saved_step(train_dir):
 
 def test_collective_workers_stop_together_on_any_loss_and_resume(
     data_dir, tmp_path):
-  """2 workers of 2 towers, no ps: kills and SIGTERMs, each then a restart.
+  """2 workers of 2 towers, no ps: a kill and a SIGTERM, each then a
+  restart.
 
   A lost worker (SIGKILL, or SIGTERM to one) stops every other within
   seconds, with the message that says how to resume; every restart resumes
@@ -357,8 +358,10 @@ def test_collective_workers_stop_together_on_any_loss_and_resume(
   stopped = "Collective mode has no backup workers: every worker stops"
   with launch_local_cluster.Cluster(TRAIN, 0, 2, args, out=log) as c:
     resumed = 0
+    # (A SIGKILLed chief takes the survivor down the same path as a
+    # SIGKILLed non-chief: the all-reduce fails when the peer's socket
+    # closes, whichever peer it is.)
     for victim, how in (("worker1", signal.SIGKILL),
-                        ("worker0", signal.SIGKILL),
                         ("worker0", signal.SIGTERM)):
       del log.lines[:]
       c.start_all()
