@@ -167,9 +167,9 @@ def build_towers(model_fn: Callable[..., object],
   Raises:
     RuntimeError: if eager execution is on (call
       ``tf.compat.v1.disable_eager_execution()`` first).
-    TypeError: if `num_gpus` is not an integer, `model_fn` is not callable,
-      `opt` has no ``compute_gradients``, `devices` holds a non-string, or a
-      tower's loss is not a float tensor.
+    TypeError: if `num_gpus` or `num_workers` is not an integer, `model_fn`
+      is not callable, `opt` has no ``compute_gradients``, `devices` holds a
+      non-string, or a tower's loss is not a float tensor.
     ValueError: if `num_gpus` is not positive, `compute_dtype` is not a
       float dtype of those above, `stage_inputs` is set without `inputs` or
       with inputs fed by a placeholder, `all_reduce` is unknown or
