@@ -532,7 +532,13 @@ class _Worker:
         self.train_op, self._sync = _collective_step(
             model_fn, opt, task, devices, data, spec["num_workers"])
         self._init = tf.global_variables_initializer()
-      self._parameters = tf.trainable_variables() + tf.local_variables()
+      # The variables and their copies (local, replicated): not the batch's
+      # variables, nor SyncReplicasOptimizer's local step (counted with
+      # the "other" bytes, as its token).
+      self._parameters = tf.trainable_variables() + [
+          v for v in tf.local_variables()
+          if not v.op.name.startswith("synthetic_data/")
+          and "sync_rep_local_step" not in v.op.name]
       self._data = list(data)
       self.parameter_bytes = sum(
           v.shape.num_elements() * v.dtype.base_dtype.size

@@ -1032,12 +1032,15 @@ def test_across_workers_runs_alone_and_counts_what_crosses_tasks(tmp_path):
     assert counted["sent_bytes"] == counted["received_bytes"] == 1.5 * size
     assert counted["collectives"] == 2 * 4, task
   assert ring["expected"]["sent_bytes"] == 1.5 * size
-  # With a ps: the averaged gradient out (P, and the local step), the
-  # variables in: each tower reads each one (and the weight decay two
-  # weights again), so more than P.
+  # With a ps: the averaged gradient out, P; the variables in: each tower
+  # reads each one, and the weight decay the two weight matrices again
+  # (3,211,264 and 10,240 floats), so more than P. The token and the local
+  # step the accumulators take: 8 + 8 x 8 bytes.
+  decayed = 4 * (3211264 + 10240)
   for task, counted in ps["counted"].items():
-    assert size <= counted["sent_bytes"] < 1.01 * size, task
-    assert counted["received_bytes"] > 2 * size, task
+    assert counted["sent_bytes"] == size, task
+    assert counted["received_bytes"] == 2 * (size + decayed), task
+    assert counted["other_bytes"] == 8 + 8 * 8, task
     assert counted["ring_bytes"] == 0 and counted["unsized"] == [], task
   assert ps["expected"] == {"sent_bytes": size, "received_bytes": size}
   # The kernel's TCP bytes agree with the counts within gRPC's overhead.
