@@ -48,11 +48,11 @@ Bytes per worker per step, two ways:
 """
 
 import collections
+import importlib
 import json
 import os
 import queue
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -91,20 +91,6 @@ REPLY_TIMEOUT_SECS = 300
 MIB = float(1 << 20)
 
 Socket = collections.namedtuple("Socket", ["pids", "sent", "received"])
-
-
-def free_ports(count: int) -> List[int]:
-  """Returns `count` distinct TCP ports that are free on 127.0.0.1 now."""
-  sockets = []
-  try:
-    for _ in range(count):
-      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-      s.bind(("127.0.0.1", 0))
-      sockets.append(s)
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
 
 
 def parse_ss(text: str) -> List[Socket]:
@@ -262,7 +248,9 @@ class Cluster:
     else:
       self.num_workers, self.towers_per_worker = num_workers, (
           towers_per_worker)
-      ports = free_ports(num_workers + (1 if kind == PS else 0))
+      # The launcher's own way to pick ports.
+      ports = _example("launch_local_cluster").free_ports(
+          num_workers + (1 if kind == PS else 0))
       hosts = {"worker": ["127.0.0.1:%d" % p for p in ports[:num_workers]]}
       if kind == PS:
         hosts["ps"] = ["127.0.0.1:%d" % ports[-1]]
@@ -618,10 +606,14 @@ class _Baseline:
 
 def _example_cluster():
   """examples/cluster.py: the example's session hook and wait."""
+  return _example("cluster")
+
+
+def _example(name: str):
+  """The example module `name` (examples/ added to the path)."""
   if workloads.EXAMPLES_DIR not in sys.path:
     sys.path.insert(0, workloads.EXAMPLES_DIR)
-  import cluster  # pylint: disable=g-import-not-at-top
-  return cluster
+  return importlib.import_module(name)
 
 
 def _serve(spec: Dict[str, object], reply) -> None:
