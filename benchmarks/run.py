@@ -47,14 +47,15 @@ during which other processes kept the machine busy is repeated once they
 are quiet (within --quiet_wait_minutes); the cores they used are recorded
 per round. Results go to ``--out``: results.json, results.md and
 examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
-``--quick`` runs a small version in about a minute, to check that everything
-runs: its results (in their own default directory) say they are a quick run,
-and it gives no verdicts on the targets. A section given no sizes is skipped:
-``--workloads= --packing_kib= --averaging_shape= --build_towers=`` runs the
-batch-norm comparison and the fast paths alone, ``--batch_norm_towers=``
-skips the one, ``--fast_paths_workloads=`` the other (``--staging_towers=``
-or ``--precision_towers=`` a part of it); ``--noacross_workers`` skips the
-section across workers, in a quick run too. See docs/performance.md.
+``--quick`` runs a small version in about a minute and a half, to check that
+everything runs: its results (in their own default directory) say they are a
+quick run, and it gives no verdicts on the targets. A section given no sizes
+is skipped: ``--workloads= --packing_kib= --averaging_shape= --build_towers=``
+runs the batch-norm comparison and the fast paths alone,
+``--batch_norm_towers=`` skips the one, ``--fast_paths_workloads=`` the other
+(``--staging_towers=`` or ``--precision_towers=`` a part of it);
+``--noacross_workers`` skips the section across workers, in a quick run too.
+See docs/performance.md.
 """
 
 import datetime
@@ -760,9 +761,9 @@ def define_flags():
                       "--quick.")
   flags.DEFINE_boolean("quick", False, "A small run (MNIST and 20 small "
                        "variables, tiny batches and sets, few steps) in "
-                       "about a minute, to check that everything runs: no "
-                       "verdicts on the targets. It ignores the size flags "
-                       "below.")
+                       "about a minute and a half, to check that everything "
+                       "runs: no verdicts on the targets. It ignores the size "
+                       "flags below.")
   flags.DEFINE_list("workloads", ["mnist", "cifar10", "many_small"],
                     "Models to time.")
   flags.DEFINE_list("towers", ["1", "2", "4"], "Tower counts.")
