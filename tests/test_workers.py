@@ -20,7 +20,7 @@ import tensorflow.compat.v1 as tf
 import towers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TIMEOUT_SECS = 240
+TIMEOUT_SECS = 300
 
 
 def _ports(count):
@@ -47,18 +47,23 @@ def _start(pytestconfig, out, *flags):
 def _finish(procs):
   """Waits for every process; returns each one's last JSON line."""
   deadline = time.time() + TIMEOUT_SECS
-  results = []
+  outputs = []
   try:
     for proc in procs:
-      out, err = proc.communicate(timeout=max(1, deadline - time.time()))
-      assert proc.returncode == 0, err[-3000:]
-      results.append(json.loads(out.strip().splitlines()[-1]))
+      outputs.append(proc.communicate(
+          timeout=max(1, deadline - time.time())))
+    # Every failed process's end, so a cluster's failure shows each side.
+    failed = ["process %d (%s) exited with %d:\n%s" % (
+        i, " ".join(proc.args[2:]), proc.returncode, err[-2000:])
+              for i, (proc, (_, err)) in enumerate(zip(procs, outputs))
+              if proc.returncode != 0]
+    assert not failed, "\n".join(failed)
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
   finally:
     for proc in procs:
       if proc.poll() is None:
         proc.kill()
         proc.wait()
-  return results
 
 
 def _cluster(pytestconfig, tmp, name, towers_per_worker, flags=(),

@@ -33,7 +33,7 @@ def main() -> None:
   parser.add_argument("--init_seed", type=int, default=0)
   parser.add_argument("--restore", default=None)
   parser.add_argument("--save", default=None)
-  parser.add_argument("--timeout_ms", type=int, default=60000)
+  parser.add_argument("--timeout_ms", type=int, default=120000)
   parser.add_argument("--variable_device", default="replicated")
   parser.add_argument("--ref-variables", action="store_true")
   args = parser.parse_args()
