@@ -501,7 +501,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
             save_checkpoint_steps=save_checkpoint_steps,
             save_summaries_steps=save_summaries_steps,
             loss_scale=g.towers.loss_scale, **session_kwargs)
-      except tf.errors.OpError as e:
+      except watchdog.PEER_ERRORS as e:
         if dog is None:
           raise
         raise watchdog.PeerLost(dog.explain(e)) from e

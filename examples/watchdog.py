@@ -21,7 +21,9 @@ time since the last step ended:
 
 `explain` turns the error of a failed step (a ``DeadlineExceededError``
 from the session's operation timeout, an ``UnavailableError`` from a peer
-that went away) into the same message, raised as `PeerLost`.
+that went away: the `PEER_ERRORS`) into the same message, raised as
+`PeerLost`. Any other error (a kernel's ``InvalidArgumentError``, say) is
+the worker's own, not a peer's: it is raised as it is.
 
 Example code, not part of the `towers` library.
 """
@@ -42,6 +44,11 @@ import cluster
 # The exit code of a worker the watchdog stops: the scripts' code for an
 # expected failure (`common.run_main`).
 EXIT_STALLED = 1
+
+# The errors a step gets from a peer that is gone or late (or from the
+# collective that a failed peer aborted), not from its own graph.
+PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+               tf.errors.AbortedError, tf.errors.CancelledError)
 
 
 class PeerLost(RuntimeError):
@@ -221,6 +228,13 @@ def _cause(error: Exception) -> str:
     if re.search(r"(?i)timed out|deadline|abort|closed|reset|refused",
                  line) and not line.strip().startswith("File "):
       return line.strip()
+  # Else the first line of TensorFlow's own, past the traceback of where the
+  # node was built that graph errors begin with.
+  text = text.rsplit("most recent call last):", 1)[-1]
+  for line in text.splitlines():
+    line = line.strip()
+    if line and not line.startswith(("File ", "Graph execution error")):
+      return line
   return "no detail"
 
 

@@ -19,6 +19,7 @@ import tensorflow.compat.v1 as tf
 import cluster as cluster_lib
 import launch_local_cluster
 import mnist_eval
+import watchdog
 from test_mnist import synthetic, write_split
 
 EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
@@ -69,11 +70,21 @@ def _train_args(data_dir, train_dir, max_steps, *extra):
           "--startup_timeout_secs=60", "--mirrors="] + list(extra)
 
 
-def _wait(predicate, timeout, what):
+def _wait(predicate, timeout, what, task=None, log=None):
+  """Waits for `predicate`; fails at `timeout`, or at once if `task` exits.
+
+  The failure shows the end of the cluster's `log` where it is given.
+  """
+  def fail(why):
+    raise AssertionError(why + ("; the log ends:\n" + log.text()[-4000:]
+                                if log else ""))
+
   deadline = time.time() + timeout
   while not predicate():
+    if task is not None and task.poll() is not None:
+      fail("the task exited with code %d before %s" % (task.returncode, what))
     if time.time() > deadline:
-      raise AssertionError("timed out waiting for " + what)
+      fail("timed out waiting for " + what)
     time.sleep(0.5)
 
 
@@ -117,7 +128,8 @@ def test_a_killed_backup_worker_does_not_stop_training(data_dir, tmp_path):
   args = _train_args(data_dir, train_dir, 80, "--replicas_to_aggregate=2")
   with launch_local_cluster.Cluster(TRAIN, 1, 3, args, out=log) as c:
     c.start_all()
-    _wait(lambda: log.steps("worker2"), 240, "worker2's first step")
+    _wait(lambda: log.steps("worker2"), 240, "worker2's first step",
+          c.tasks["worker2"], log)
     os.killpg(c.tasks["worker2"].pid, signal.SIGKILL)
     code = {}
     for name in ("worker0", "worker1"):
@@ -139,7 +151,8 @@ def test_sigterm_to_the_cluster_has_the_chief_save_before_the_ps_stop(
   args.remove("--save_checkpoint_steps=20")
   with launch_local_cluster.Cluster(TRAIN, 1, 1, args, out=log) as c:
     c.start_all()
-    _wait(lambda: log.steps("worker0"), 240, "the chief's first step")
+    _wait(lambda: log.steps("worker0"), 240, "the chief's first step",
+          c.tasks["worker0"], log)
     c.stop(signal.SIGTERM, grace_secs=60)
   assert c.tasks["worker0"].returncode == 128 + signal.SIGTERM, \
       log.text()[-4000:]
@@ -318,7 +331,7 @@ def _steps(log, worker):
 
 def _wait_for_step(log, worker, step, timeout):
   _wait(lambda: any(s >= step for s in _steps(log, worker)), timeout,
-        "%s to reach step %d" % (worker, step))
+        "%s to reach step %d" % (worker, step), log=log)
 
 
 def _exit_code(proc, timeout, log):
@@ -511,3 +524,25 @@ def _alive(pid):
       return f.read().rsplit(")", 1)[1].split()[0] != "Z"
   except FileNotFoundError:
     return False
+
+
+def test_a_peers_error_is_explained_and_the_workers_own_is_not():
+  """Only a peer's errors become the watchdog's message; others stay theirs.
+
+  A kernel's InvalidArgumentError in a cluster step was once reported as
+  "InvalidArgumentError (no detail): it waited for the parameter servers",
+  blaming peers that were fine (docs/pitfalls.md, P36).
+  """
+  dog = watchdog.Watchdog(None, "the parameter servers (127.0.0.1:1)", [],
+                          advice=lambda: "Restart it.")
+  lost = tf.errors.UnavailableError(None, None, "Socket closed")
+  assert isinstance(lost, watchdog.PEER_ERRORS)
+  assert "UnavailableError (Socket closed): it waited for the parameter " \
+      "servers (127.0.0.1:1)" in dog.explain(lost)
+  own = tf.errors.InvalidArgumentError(
+      None, None, "Graph execution error:\n\nDetected at node 'x' defined at "
+      "(most recent call last):\n  File \"a.py\", line 1, in <module>\n\n"
+      "Value for attr 'T' of bfloat16 is not in the list of allowed values")
+  assert not isinstance(own, watchdog.PEER_ERRORS)
+  assert "(Value for attr 'T' of bfloat16 is not in the list" in \
+      dog.explain(own)
