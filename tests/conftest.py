@@ -4,13 +4,23 @@
 explicitly); ``pytest --ref-variables`` runs under
 ``tf.disable_v2_behavior()`` (ref variables, the original recipe's world).
 The switch is global in TensorFlow, so it is made once per process here.
+
+Every run uses TensorFlow's own CPU kernels, not oneDNN's. TensorFlow turns
+oneDNN's on by itself on some CPUs (those with AVX512_VNNI, AVX512_BF16 or
+AMX, by its release notes) and not on others; where they are on, two of
+their bugs fail tests that pass elsewhere, and the benchmark's byte counts
+differ (docs/pitfalls.md, P36). So that every machine runs the same kernels,
+``TF_ENABLE_ONEDNN_OPTS`` is 0 unless already set, before TensorFlow is
+imported; the scripts the tests start inherit it.
 """
 
 import os
 
 import pytest
 
-import tensorflow.compat.v1 as tf
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import tensorflow.compat.v1 as tf  # pylint: disable=wrong-import-position
 
 
 def pytest_addoption(parser):
