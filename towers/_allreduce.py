@@ -33,9 +33,8 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
+from towers import _devices
 from towers import _workers
-
-canonical = _workers.canonical
 
 ALGORITHMS = ("add_n", "ring", "collective")
 CHOICES = ("auto",) + ALGORITHMS
@@ -63,7 +62,7 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
       one device (a collective group needs one member per device).
   """
   check_name(all_reduce)
-  spelled = [canonical(d) for d in devices]
+  spelled = [_devices.canonical(d) for d in devices]
   distinct = len(set(spelled)) == len(spelled)
   if all_reduce == "auto" and _workers.count() > 1:
     all_reduce = "collective"
@@ -186,14 +185,14 @@ def all_gather(tensors: Sequence[tf.Tensor], device: str,
   size, group = _workers.group([device])
   results = []
   for tensor in tensors:
-    previous = launched.get(canonical(device))
+    previous = launched.get(_devices.canonical(device))
     with tf.device(device), tf.control_dependencies(
         [previous] if previous is not None else []):
       gathered = tf.raw_ops.CollectiveGatherV2(
           input=tensor, group_size=size, group_key=group,
           instance_key=instance_key(), ordering_token=[],
           communication_hint="auto")
-    launched[canonical(device)] = gathered.op
+    launched[_devices.canonical(device)] = gathered.op
     results.append(gathered)
   return results
 
@@ -204,14 +203,14 @@ def _collective(tensors: Sequence[tf.Tensor], devices: Sequence[str],
   instance = instance_key()
   outputs = []
   for tensor, device in zip(tensors, devices):
-    previous = launched.get(canonical(device))
+    previous = launched.get(_devices.canonical(device))
     with tf.device(device), tf.control_dependencies(
         [previous] if previous is not None else []):
       outputs.append(member(tensor, size, group, instance))
   ops = [o.op for o in outputs]
   tied = []
   for output, device in zip(outputs, devices):
-    launched[canonical(device)] = output.op
+    launched[_devices.canonical(device)] = output.op
     with tf.device(device), tf.control_dependencies(ops):
       tied.append(tf.identity(output))
   return tied

@@ -68,7 +68,7 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
         list)
     for var in sorted(var_list, key=lambda v: v.op.name):
       by_dtype[var.dtype.base_dtype].append(var)
-    group = _workers.group_key(_workers.peers(home, workers))
+    _, group = _workers.group([home])
     assigns: List[tf.Operation] = []
     previous: List[tf.Operation] = []
     for dtype in sorted(by_dtype, key=lambda d: d.name):

@@ -30,6 +30,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
+from towers import _devices
 from towers import _workers
 
 Share = Union[float, tf.Tensor]
@@ -232,7 +233,7 @@ class Group:
           "the towers' graph itself. Build the layer outside the loop or "
           "condition (pass a boolean tensor as `training` rather than "
           "calling it under tf.cond)" % _tower(self.scopes[index], index))
-    spelled = [_allreduce.canonical(d) for d in self.devices]
+    spelled = [_devices.canonical(d) for d in self.devices]
     if len(set(spelled)) < len(spelled):
       raise ValueError(
           "cross-tower sums (synchronized batch norm) need a distinct device "
@@ -259,7 +260,7 @@ class Group:
               k, _tower(self.scopes[index], index), spec[0].name, spec[1],
               self._specs[k][0].name, self._specs[k][1]))
     device = self.devices[index]
-    spelled = _allreduce.canonical(device)
+    spelled = _devices.canonical(device)
     previous = self.launched.get(spelled)
     members = self._members[k]
     with tf.device(device):

@@ -25,6 +25,12 @@ def check_count(name: str, value: int) -> int:
   return count
 
 
+def canonical(device: str) -> str:
+  """`device` with its type in capitals: one spelling per device."""
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.replace(device_type=(spec.device_type or "").upper()).to_string()
+
+
 def virtual_cpu_config(num_cpus: int, **config_kwargs) -> tf.ConfigProto:
   """Returns a session config with `num_cpus` virtual CPU devices.
 

@@ -480,9 +480,9 @@ def _average(grads: List[Optional[Gradient]], var, weights: List[Weight],
       return [local] * len(devices)
     # The worker's average, all-reduced with the other workers' from this
     # worker's first tower device, and their mean read by every copy.
-    total, = _allreduce.all_sum([local], [_workers.home()], "collective",
-                                launched)
-    with tf.device(_workers.home()):
+    home = _workers.home()
+    total, = _allreduce.all_sum([local], [home], "collective", launched)
+    with tf.device(home):
       return [total * tf.constant(1.0 / workers, total.dtype)] * len(devices)
   inputs = []
   for g, d, wait in zip(present, devices, waits):

@@ -200,10 +200,9 @@ def build_towers(model_fn: Callable[..., object],
                                       tf.train.Optimizer.GATE_NONE)
   replicated = _check_replicated(variable_device, all_reduce, opt)
   if num_workers != 1:
-    num_workers = _workers.check(num_workers,
-                                 _check_devices(devices, num_gpus),
-                                 replicated, all_reduce)
-    _workers.register(_check_devices(devices, num_gpus), num_workers)
+    mine = _check_devices(devices, num_gpus)
+    num_workers = _workers.check(num_workers, mine, replicated, all_reduce)
+    _workers.register(mine, num_workers)
   if replicated:
     all_reduce = _allreduce.resolve(all_reduce,
                                     _check_devices(devices, num_gpus))

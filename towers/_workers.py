@@ -23,16 +23,12 @@ from typing import Dict, List, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
+from towers import _devices
+
 # Per graph: (the number of workers, this worker's tower devices).
 _REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Per graph: group key -> its members (to keep keys distinct).
 _KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def canonical(device: str) -> str:
-  """`device` with its type in capitals: one spelling per device."""
-  spec = tf.DeviceSpec.from_string(device)
-  return spec.replace(device_type=(spec.device_type or "").upper()).to_string()
 
 
 def check(num_workers: object, devices: Sequence[str],
@@ -100,7 +96,7 @@ def register(devices: Sequence[str], num_workers: int) -> None:
   if num_workers == 1:
     return
   graph = tf.get_default_graph()
-  mine = (num_workers, tuple(canonical(d) for d in devices))
+  mine = (num_workers, tuple(_devices.canonical(d) for d in devices))
   registered = _REGISTRY.setdefault(graph, mine)
   if registered != mine:
     raise ValueError(
@@ -123,9 +119,9 @@ def home() -> str:
   return _REGISTRY[tf.get_default_graph()][1][0]
 
 
-def peers(device: str, num_workers: int) -> List[str]:
+def _peers(device: str, num_workers: int) -> List[str]:
   """`device` on each of the `num_workers` tasks of its job, task 0 first."""
-  spec = tf.DeviceSpec.from_string(canonical(device))
+  spec = tf.DeviceSpec.from_string(_devices.canonical(device))
   return [spec.replace(task=k).to_string() for k in range(num_workers)]
 
 
@@ -133,16 +129,16 @@ def group(devices: Sequence[str]) -> Tuple[int, int]:
   """``(group_size, group_key)`` of a collective over `devices`: theirs,
   or, in a worker's graph, theirs on every worker."""
   workers = count()
-  everyone = [canonical(d) for d in devices] if workers == 1 else [
-      p for d in devices for p in peers(d, workers)]
-  return len(everyone), group_key(everyone)
+  everyone = [_devices.canonical(d) for d in devices] if workers == 1 else [
+      p for d in devices for p in _peers(d, workers)]
+  return len(everyone), _group_key(everyone)
 
 
-def group_key(devices: Sequence[str]) -> int:
+def _group_key(devices: Sequence[str]) -> int:
   """The collective group key of exactly `devices`: derived from their
   names, whatever their order, so every worker derives the same one; kept
   distinct from the other groups of the default graph."""
-  names = tuple(sorted(canonical(d) for d in devices))
+  names = tuple(sorted(_devices.canonical(d) for d in devices))
   keys: Dict[int, Tuple[str, ...]] = _KEYS.setdefault(
       tf.get_default_graph(), {})
   key = zlib.crc32(",".join(names).encode()) & 0x3FFFFFFF
