@@ -25,10 +25,11 @@ sections (`run.interleave`):
 Each visit of a round tells every worker of a cluster to run the same
 number of steps at once (a synchronous step needs them all) and takes, step
 by step, the slowest worker's time: examples/sec is the global batch over
-the median of those. A step that waits longer than `STEP_TIMEOUT_MS` fails
-(the collective sessions' ``operation_timeout_in_ms``; with a ps, each
-step's own), and a process that does not answer in `REPLY_TIMEOUT_SECS`
-fails the run and is killed: nothing hangs.
+the median of those. A step that waits longer than
+`graphs.STEP_TIMEOUT_MS` fails (the collective sessions'
+``operation_timeout_in_ms``; with a ps, each step's own), and a process
+that does not answer in `REPLY_TIMEOUT_SECS` fails the run and is killed:
+nothing hangs.
 
 Bytes per worker per step, two ways:
 
@@ -81,14 +82,10 @@ TITLES = {
 }
 NUM_WORKERS = 2
 TOWERS_PER_WORKER = 2
-# A step waiting for a worker that never comes fails after this (a step
-# takes about a second here).
-STEP_TIMEOUT_MS = 120 * 1000
 # The longest the parent waits for a process's answer: start-up (importing
 # TensorFlow, building the graph) of several processes on a shared machine,
 # or a step's timeout, whichever fails first.
 REPLY_TIMEOUT_SECS = 300
-MIB = float(1 << 20)
 
 Socket = collections.namedtuple("Socket", ["pids", "sent", "received"])
 
@@ -225,15 +222,13 @@ class Cluster:
   Attributes:
     kind: `BASELINE`, `PS` or `COLLECTIVE`.
     traffic: per worker task, what one step's partition graphs send between
-      tasks (`_count_step`'s reply); set by `count`.
+      tasks (`_Worker.count`'s reply); set by `count`.
     tcp: per worker task, the TCP bytes its process sent and received per
       step; set by `measure_tcp` (None where ``ss`` is unavailable), over
       `tcp_steps` steps.
   """
 
-  def __init__(self, kind: str, *, workload: str, per_tower_batch: int,
-               num_workers: int = NUM_WORKERS,
-               towers_per_worker: int = TOWERS_PER_WORKER):
+  def __init__(self, kind: str, *, workload: str, per_tower_batch: int):
     """Starts the kind's processes; `wait_until_ready` waits for them."""
     self.kind = kind
     self.traffic: Dict[str, Dict[str, object]] = {}
@@ -242,16 +237,16 @@ class Cluster:
     spec = {"kind": kind, "workload": workload,
             "per_tower_batch": per_tower_batch}
     if kind == BASELINE:
-      self.num_workers, self.towers_per_worker = 1, (
-          num_workers * towers_per_worker)
+      self.num_workers = 1
+      self.towers_per_worker = NUM_WORKERS * TOWERS_PER_WORKER
       hosts = {}
     else:
-      self.num_workers, self.towers_per_worker = num_workers, (
-          towers_per_worker)
+      self.num_workers = NUM_WORKERS
+      self.towers_per_worker = TOWERS_PER_WORKER
       # The launcher's own way to pick ports.
       ports = _example("launch_local_cluster").free_ports(
-          num_workers + (1 if kind == PS else 0))
-      hosts = {"worker": ["127.0.0.1:%d" % p for p in ports[:num_workers]]}
+          NUM_WORKERS + (1 if kind == PS else 0))
+      hosts = {"worker": ["127.0.0.1:%d" % p for p in ports[:NUM_WORKERS]]}
       if kind == PS:
         hosts["ps"] = ["127.0.0.1:%d" % ports[-1]]
     spec.update(hosts=hosts, num_towers=self.towers_per_worker,
@@ -321,12 +316,11 @@ class Cluster:
       process.close()
 
 
-def start(*, workload: str, per_tower_batch: int,
-          kinds: Sequence[str] = KINDS) -> Dict[str, Cluster]:
+def start(*, workload: str, per_tower_batch: int) -> Dict[str, Cluster]:
   """Starts every kind's processes at once (their start-up overlaps)."""
   clusters = {}
   try:
-    for kind in kinds:
+    for kind in KINDS:
       clusters[kind] = Cluster(kind, workload=workload,
                                per_tower_batch=per_tower_batch)
   except BaseException:
@@ -410,21 +404,6 @@ def result(clusters: Dict[str, Cluster], times: Dict[str, Sequence[float]],
 # The task side. Everything below runs in the task's process only.
 
 
-def _data_on(device: str, images, labels):
-  """The worker's batch, read from local variables on `device`."""
-  # Local: each worker initializes its own (a ps would otherwise hold the
-  # chief's), outside any device function (a replica_device_setter puts
-  # variables on the ps).
-  with tf.device(device), tf.variable_scope("synthetic_data"):
-    kwargs = dict(trainable=False,
-                  collections=[tf.GraphKeys.LOCAL_VARIABLES])
-    image_var = tf.get_variable("images", initializer=tf.constant(images),
-                                **kwargs)
-    label_var = tf.get_variable("labels", initializer=tf.constant(labels),
-                                **kwargs)
-    return image_var.value(), label_var.value()
-
-
 def _ps_step(model_fn, opt, cluster: tf.train.ClusterSpec, task: str,
              devices: List[str], data, num_workers: int):
   """A worker's step with a ps: the example's cluster graph.
@@ -485,7 +464,7 @@ class _Worker:
     if self._kind == COLLECTIVE:
       # The server's and the session's: task 0 resolves the groups.
       server_config.experimental.collective_group_leader = (
-          "/job:worker/replica:0/task:0")
+          _example_cluster().COLLECTIVE_LEADER)
     self.server = tf.train.Server(cluster, job_name="worker", task_index=k,
                                   config=server_config)
     # A step that waits for a task that never comes fails instead of
@@ -493,10 +472,10 @@ class _Worker:
     # runner waits for the workers' gradients in one op while other
     # clusters are timed (or the run waits for quiet), which a session-wide
     # limit would fail. The session talks to this worker (and the ps) only.
-    self._options = tf.RunOptions(timeout_in_ms=STEP_TIMEOUT_MS)
+    self._options = tf.RunOptions(timeout_in_ms=graphs.STEP_TIMEOUT_MS)
     self._config = towers.virtual_cpu_config(
         num_towers, operation_timeout_in_ms=(
-            0 if self._kind == PS else STEP_TIMEOUT_MS),
+            0 if self._kind == PS else graphs.STEP_TIMEOUT_MS),
         device_filters=[task] + (["/job:ps"] if self._kind == PS else []))
     self._config.experimental.collective_group_leader = (
         server_config.experimental.collective_group_leader)
@@ -509,7 +488,11 @@ class _Worker:
     self.graph = tf.Graph()
     with self.graph.as_default():
       tf.set_random_seed(0)
-      data = _data_on(task + "/cpu:0", images, labels)
+      # Local: each worker initializes its own (a ps would otherwise hold
+      # the chief's), outside any device function (a replica_device_setter
+      # puts variables on the ps).
+      data = graphs.data_on_cpu(images, labels, device=task + "/cpu:0",
+                                local=True)
       opt = tf.train.MomentumOptimizer(graphs.LEARNING_RATE, graphs.MOMENTUM)
       if self._kind == PS:
         self.train_op, opt = _ps_step(model_fn, opt, cluster, task, devices,
@@ -540,7 +523,7 @@ class _Worker:
         if not self.is_chief:
           _example_cluster().wait_for_model(
               self.server.target, self._config,
-              timeout_secs=STEP_TIMEOUT_MS / 1000)
+              timeout_secs=graphs.STEP_TIMEOUT_MS / 1000)
         self.session = tf.train.MonitoredTrainingSession(
             master=self.server.target, is_chief=self.is_chief,
             hooks=self._hooks, config=self._config, log_step_count_steps=0,
@@ -554,12 +537,9 @@ class _Worker:
 
   def count(self) -> Dict[str, object]:
     """Runs one step; returns what it sends between tasks."""
-    run_metadata = tf.RunMetadata()
-    self.session.run(self.train_op, options=tf.RunOptions(
-        output_partition_graphs=True, timeout_in_ms=STEP_TIMEOUT_MS),
-                     run_metadata=run_metadata)
-    moved = traffic.count(run_metadata.partition_graphs, self.graph,
-                          self._parameters, self._data, tasks=True)
+    moved = traffic.measure(self.session, self.train_op, self.graph,
+                            self._parameters, self._data, tasks=True,
+                            timeout_ms=graphs.STEP_TIMEOUT_MS)
     return dict(moved, parameter_bytes=self.parameter_bytes)
 
   def run(self, steps: int) -> List[float]:

@@ -154,7 +154,7 @@ class GraphStep:
       if dataset:
         inputs = _dataset_on_cpu(batch, labels, num_towers)
       else:
-        inputs = _data_on_cpu(batch, labels)
+        inputs = data_on_cpu(batch, labels)
       train_op = _build(workload, variant, devices, inputs,
                         pack_bytes=pack_bytes,
                         minimize_kwargs=minimize_kwargs)
@@ -269,15 +269,23 @@ def _bytes(var: tf.Variable) -> int:
   return var.shape.num_elements() * var.dtype.base_dtype.size
 
 
-def _data_on_cpu(images: np.ndarray, labels: np.ndarray):
-  """Returns the global batch as reads of non-trainable CPU variables."""
+def data_on_cpu(images: np.ndarray, labels: np.ndarray, *,
+                device: str = "/cpu:0", local: bool = False):
+  """Returns the global batch as reads of non-trainable variables.
+
+  On `device`; in the ``LOCAL_VARIABLES`` collection if `local` (each
+  worker of a cluster initializes its own), else in the global one.
+  """
   # Variables, not constants fed each step: the batch is copied into the
   # graph's memory once, at initialization, and each step only reads it.
-  with tf.device("/cpu:0"), tf.variable_scope("synthetic_data"):
+  kwargs = dict(trainable=False)
+  if local:
+    kwargs["collections"] = [tf.GraphKeys.LOCAL_VARIABLES]
+  with tf.device(device), tf.variable_scope("synthetic_data"):
     image_var = tf.get_variable("images", initializer=tf.constant(images),
-                                trainable=False)
+                                **kwargs)
     label_var = tf.get_variable("labels", initializer=tf.constant(labels),
-                                trainable=False)
+                                **kwargs)
     return image_var.value(), label_var.value()
 
 

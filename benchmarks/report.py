@@ -770,13 +770,14 @@ def across_workers_markdown(results: Dict[str, object]) -> List[str]:
     return []
   rows = section["rows"]
   base = next(r for r in rows if r["num_workers"] == 1)
+  across = next(r for r in rows if r["num_workers"] > 1)
   size = base["parameter_bytes"]
   steps = max(r["measured_steps"] for r in rows)
   lines = [
       "### Across workers: %s, %d workers x %d towers against %d x %d, %d "
       "per tower (global batch %d)%s" % (
-          section["title"], rows[-1]["num_workers"],
-          rows[-1]["towers_per_worker"], base["num_workers"],
+          section["title"], across["num_workers"],
+          across["towers_per_worker"], base["num_workers"],
           base["towers_per_worker"], section["per_tower_batch"],
           base["global_batch"],
           " (quick run)" if results.get("quick") else ""), "",

@@ -50,8 +50,8 @@ examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
 ``--quick`` runs a small version in about a minute and a half, to check that
 everything runs: its results (in their own default directory) say they are a
 quick run, and it gives no verdicts on the targets. A section given no sizes
-is skipped: ``--workloads= --packing_kib= --averaging_shape= --build_towers=``
-runs the batch-norm comparison and the fast paths alone,
+is skipped: ``--workloads= --packing_kib= --averaging_shape= --build_towers=
+--noacross_workers`` runs the batch-norm comparison and the fast paths alone,
 ``--batch_norm_towers=`` skips the one, ``--fast_paths_workloads=`` the other
 (``--staging_towers=`` or ``--precision_towers=`` a part of it);
 ``--noacross_workers`` skips the section across workers, in a quick run too.
@@ -205,7 +205,10 @@ def _machine() -> Dict[str, object]:
           "gpus": len(tf.config.list_physical_devices("GPU")),
           "platform": platform.platform(),
           "python": platform.python_version(),
-          "tensorflow": tf.__version__, "numpy": np.__version__}
+          "tensorflow": tf.__version__, "numpy": np.__version__,
+          # oneDNN's kernels change the byte counts (docs/pitfalls.md P36).
+          "tf_enable_onednn_opts": os.environ.get("TF_ENABLE_ONEDNN_OPTS",
+                                                  "unset")}
 
 
 def load_average() -> List[float]:

@@ -454,13 +454,20 @@ def summarize(measured: Dict[str, object],
 
 def measure(session: tf.Session, fetches, graph: tf.Graph,
             parameters: Sequence[tf.Variable],
-            inputs: Sequence[tf.Tensor]) -> Dict[str, object]:
-  """Runs one step of `fetches` and `count`s its partition graphs."""
+            inputs: Sequence[tf.Tensor], *, tasks: bool = False,
+            timeout_ms: int = 0) -> Dict[str, object]:
+  """Runs one step of `fetches` and `count`s its partition graphs.
+
+  `tasks` is `count`'s. A step that takes longer than `timeout_ms` fails
+  (0: only the session's ``operation_timeout_in_ms`` applies).
+  """
   run_metadata = tf.RunMetadata()
   session.run(fetches,
-              options=tf.RunOptions(output_partition_graphs=True),
+              options=tf.RunOptions(output_partition_graphs=True,
+                                    timeout_in_ms=timeout_ms),
               run_metadata=run_metadata)
-  return count(run_metadata.partition_graphs, graph, parameters, inputs)
+  return count(run_metadata.partition_graphs, graph, parameters, inputs,
+               tasks=tasks)
 
 
 def relative_error(measured: float, expectation: float) -> float:
