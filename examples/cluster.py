@@ -338,8 +338,7 @@ class _OwnCoordinatorHook(tf.train.SessionRunHook):
 
   def __init__(self, hook: tf.train.SessionRunHook):
     self._hook = hook
-    self._coord = tf.train.Coordinator(clean_stop_exception_types=(
-        tf.errors.OutOfRangeError, tf.errors.CancelledError))
+    self._coord = None  # One per session: `after_create_session`.
 
   def begin(self):
     self._hook.begin()
@@ -380,11 +379,10 @@ class VariablesDigestHook(tf.train.SessionRunHook):
     self._variables = sorted(tf.global_variables(), key=lambda v: v.op.name)
 
   def end(self, session):
-    values = session.run(self._variables)
+    values, step = session.run([self._variables, self._global_step])
     digest = hashlib.sha256()
     for var, value in zip(self._variables, values):
       digest.update(var.op.name.encode())
       digest.update(np.ascontiguousarray(value).tobytes())
-    logging.info("Variables at step %d: sha256 %s (%d variables)",
-                 session.run(self._global_step), digest.hexdigest(),
-                 len(values))
+    logging.info("Variables at step %d: sha256 %s (%d variables)", step,
+                 digest.hexdigest(), len(values))

@@ -25,6 +25,7 @@ from absl import logging
 import tensorflow.compat.v1 as tf
 
 import towers
+import traindir
 
 
 class FlagError(ValueError):
@@ -175,14 +176,19 @@ def define_pack_bytes_flag() -> None:
 PRECISIONS = ("float32", "float16", "bfloat16")
 
 
-def check_precision(precision: str, distributed: bool = False) -> None:
+def check_precision(precision: str, distributed: bool = False,
+                    collective: bool = False) -> None:
   """Checks --precision, alone and with a cluster.
 
-  In a cluster (--ps_hosts) a ``tf.train.SyncReplicasOptimizer`` applies
-  the workers' gradients, and it needs every worker's gradients at every
-  step, so float16's loss scaling, which skips the steps whose gradients
-  overflow, cannot work there; bfloat16 needs no loss scaling. (The other
-  fast paths, --xla and --stage_inputs, work in a cluster.)
+  In a cluster with parameter servers (--ps_hosts) a
+  ``tf.train.SyncReplicasOptimizer`` applies the workers' gradients, and it
+  needs every worker's gradients at every step, so float16's loss scaling,
+  which skips the steps whose gradients overflow, cannot work there. In
+  collective mode (`collective`: --worker_hosts alone) every worker would
+  skip the same steps (they see the same all-reduced gradients), but that
+  is not tested, so float16 is refused there too. bfloat16 needs no loss
+  scaling. (The other fast paths, --xla and --stage_inputs, work in a
+  cluster.)
 
   Raises:
     FlagError: for an unknown precision, or float16 in a cluster, naming
@@ -191,6 +197,13 @@ def check_precision(precision: str, distributed: bool = False) -> None:
   if precision not in PRECISIONS:
     raise FlagError("--precision=%s must be one of %s"
                     % (precision, ", ".join(PRECISIONS)))
+  if collective and precision == "float16":
+    raise FlagError(
+        "--precision=float16 needs loss scaling, which skips the steps whose "
+        "gradients overflow, and that skip is not tested across the workers "
+        "of collective mode (--worker_hosts without --ps_hosts): use "
+        "--precision=bfloat16 (float32's range, no loss scaling), or train "
+        "without --worker_hosts")
   if distributed and precision == "float16":
     raise FlagError(
         "--precision=float16 needs loss scaling, which skips the steps whose "
@@ -346,7 +359,9 @@ def _check_variable_flags(values: Mapping[str, object]) -> bool:
 def _check_precision(values: Mapping[str, object]) -> bool:
   try:
     check_precision(values["precision"],
-                    bool(values.get("ps_hosts") or values.get("worker_hosts")))
+                    bool(values.get("ps_hosts") or values.get("worker_hosts")),
+                    bool(values.get("worker_hosts")
+                         and not values.get("ps_hosts")))
   except FlagError as e:
     raise flags.ValidationError(str(e)) from None
   return True
@@ -635,7 +650,7 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
     if watchdog is not None:
       def save():
         return saver.save(watchdog.session,
-                          os.path.join(train_dir, "model.ckpt"),
+                          os.path.join(train_dir, traindir.CHECKPOINT_BASENAME),
                           global_step=global_step, write_meta_graph=False)
 
       watchdog.start(lambda: signals.received,

@@ -51,8 +51,9 @@ bfloat16 has the towers compute in that dtype on float32 master weights
 (saved under the float32 names, so mnist_eval.py, in float32, reads the
 checkpoints as they are); float16 adds dynamic loss scaling, whose scale is
 logged with each step line and summarized as ``loss_scale``. In a cluster
-(--ps_hosts) float16 is refused: SyncReplicasOptimizer cannot skip the
-steps loss scaling skips; bfloat16 needs no loss scaling. --xla compiles
+float16 is refused (with --ps_hosts SyncReplicasOptimizer cannot skip the
+steps loss scaling skips; in collective mode that skip is untested);
+bfloat16 needs no loss scaling. --xla compiles
 each tower's model and gradient with XLA (the same results within
 rounding). --stage_inputs reads each tower's batches ahead, in a background
 queue runner, and stages them on its device.
@@ -245,9 +246,6 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
   opt = tf.train.MomentumOptimizer(lr, momentum)
   if wrap_optimizer is not None:
     opt = wrap_optimizer(opt)
-  # Passed only in collective mode, which the library's other modes do not
-  # take.
-  cluster_kwargs = {"num_workers": num_workers} if num_workers > 1 else {}
   train_op, t = towers.minimize(model_fn, opt, num_towers, inputs=next_batch,
                                 devices=list(devices),
                                 compute_dtype=precision,
@@ -256,7 +254,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                                 all_reduce=all_reduce,
                                 average_device=average_device,
                                 pack_bytes=pack_bytes,
-                                global_step=global_step, **cluster_kwargs)
+                                global_step=global_step,
+                                num_workers=num_workers)
   summary_op = common.training_summaries(t, lr)
   return TrainGraph(train_op=train_op, loss=t.loss, global_step=global_step,
                     learning_rate=lr, summary_op=summary_op, towers=t,
@@ -298,8 +297,13 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   (between-graph replication, docs/distributed.md): a parameter server
   serves the variables forever; a worker builds its towers on its own
   devices, averages them there, and a ``tf.train.SyncReplicasOptimizer``
-  applies `replicas_to_aggregate` workers' gradients per global step. Worker
-  0 is the chief: it initializes, saves checkpoints and summaries.
+  applies `replicas_to_aggregate` workers' gradients per global step. With
+  `worker_hosts` alone (collective mode) there are no parameter servers:
+  each worker keeps replicated copies and all-reduces with every other
+  worker through collective ops, starting from the chief's values
+  (`towers.broadcast_variables`). Worker 0 is the chief: it initializes (or
+  restores), saves checkpoints and summaries. In a cluster a watchdog logs
+  what a long step waits for and stops a worker that waits too long.
 
   Args:
     train_dir: checkpoints and event files; never deleted.
@@ -319,24 +323,32 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       for `common.run_training`.
     variable_device: one of `common.VARIABLE_DEVICES`, as for
       `build_train_graph`: ``'cpu'``, ``'gpu'``, ``'balanced'`` or
-      ``'replicated'`` (one machine only: a cluster puts the variables on its
-      parameter servers, and takes only the default).
+      ``'replicated'`` (with parameter servers only the default, the
+      variables living there; collective mode is always ``'replicated'``).
     all_reduce: one of `common.ALL_REDUCE`; other than ``'auto'`` only with
       ``variable_device='replicated'``.
     pack_bytes: as for `build_train_graph`; in every variable mode, and in
       a cluster.
     precision: 'float32', 'float16' or 'bfloat16', as for
       `build_train_graph`; not 'float16' in a cluster (its loss scaling
-      skips steps, which ``SyncReplicasOptimizer`` cannot).
+      skips steps, which ``SyncReplicasOptimizer`` cannot; untested in
+      collective mode).
     xla, stage_inputs: as for `build_train_graph`.
     ps_hosts, worker_hosts: the cluster's ``host:port`` lists, the same for
-      every task; empty for training on this machine alone.
+      every task; both empty for training on this machine alone,
+      `worker_hosts` alone for collective mode.
     job_name, task_index: this task: 'ps' or 'worker', and its index in
       that list.
     replicas_to_aggregate: workers' gradients per global step; default all
-      workers. Fewer makes the rest backup workers.
+      workers. Fewer makes the rest backup workers (parameter servers only:
+      collective mode has none).
     startup_timeout_secs: how long a worker waits for the parameter servers
-      and the chief before it fails.
+      (collective mode: the other workers) and the chief before it fails.
+    step_timeout_secs: in a cluster, the session's operation timeout; a
+      worker with no step for 15 s more stops (`watchdog.Watchdog`). None
+      for no timeout.
+    stall_log_secs: in a cluster, how long a step waits before the worker
+      logs what it waits for (then at least once a minute).
     mirrors: base URLs for downloading missing MNIST files; empty for none.
     seed: the random seed (see `build_train_graph`).
 
@@ -359,6 +371,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     FloatingPointError: if the loss becomes NaN.
     cluster.ClusterError, TimeoutError: for cluster flags that are wrong or
       disagree with the chief's, or tasks that cannot be reached.
+    watchdog.PeerLost: when a step fails on a lost or late peer.
   """
   common.check_args(
       BOUNDS, num_gpus=num_gpus, batch_size=batch_size, max_steps=max_steps,
@@ -378,7 +391,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   collective = distributed and not ps_hosts
   common.check_variable_flags(variable_device, all_reduce, distributed,
                               collective)
-  common.check_precision(precision, distributed)
+  common.check_precision(precision, distributed, collective)
   replicas = 1
   if distributed:
     replicas = replicas_to_aggregate or len(worker_hosts)
@@ -403,7 +416,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       seed += task_index  # Each worker its own shuffle order.
   if data_dir is None:
     data_dir = mnist_data.default_data_dir(dataset)
-  setter, session_kwargs = None, {}
+  session_kwargs = {}
   if distributed:
     devices = towers.tower_devices(num_gpus, task=task.worker_device)
     config = task.config
@@ -436,13 +449,12 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       session_kwargs = dict(master=task.server.target, is_chief=task.is_chief,
                             stop_grace_period_secs=5, recover=False)
     elif distributed:
-      setter = cluster.device_setter(task)
       # The setter around the whole graph puts the step counter and the
       # optimizer's slots on the parameter servers and everything else on
       # this worker; the towers use it for their variables.
-      scope = setter
+      scope = cluster.device_setter(task)
       graph_kwargs = dict(
-          variable_device=setter,
+          variable_device=scope,
           average_device=task.worker_device + "/cpu:0",
           wrap_optimizer=lambda opt: tf.train.SyncReplicasOptimizer(
               opt, replicas_to_aggregate=replicas,
@@ -520,13 +532,10 @@ def _watchdog(task: cluster.Task, global_step: tf.Tensor, train_dir: str,
                    "gradients" % ", ".join(task.cluster.job_tasks("ps")))
 
   def advice():
-    saved = None
-    try:
-      saved = tf.train.latest_checkpoint(train_dir)
-    except (tf.errors.OpError, OSError, ValueError):
-      pass  # Not readable from this worker: the chief's own directory.
-    resume = ("the chief's last checkpoint, step %s in %s"
-              % (saved.rsplit("-", 1)[1], train_dir) if saved else
+    # None where this worker cannot read it: the chief's own directory.
+    step = traindir.latest_step(train_dir)
+    resume = ("the chief's last checkpoint, step %d in %s" % (step, train_dir)
+              if step is not None else
               "the chief's last checkpoint in --train_dir")
     if task.collective:
       return ("Collective mode has no backup workers: every worker stops. "
@@ -587,15 +596,19 @@ def define_flags() -> None:
                        "summaries (0: none).")
   flags.DEFINE_integer("seed", None, "Random seed of the initial "
                        "weights, dropout and shuffle (default: random).")
-  common.define_variable_flags(" One machine only (not with --ps_hosts).")
+  common.define_variable_flags(" Only the default with --ps_hosts (the "
+                               "variables live on the parameter servers); "
+                               "collective mode (--worker_hosts alone) is "
+                               "always replicated, all-reduced with "
+                               "collective ops.")
   common.define_pack_bytes_flag()
   common.define_precision_flag(
-      " Not float16 with --ps_hosts (SyncReplicasOptimizer cannot skip a "
-      "step): bfloat16 needs no loss scaling.")
+      " Not float16 in a cluster (SyncReplicasOptimizer cannot skip a "
+      "step; untested in collective mode): bfloat16 needs no loss scaling.")
   common.define_xla_and_staging_flags()
   flags.DEFINE_list("ps_hosts", [], "Parameter servers' host:port list, "
                     "the same on every task; empty to train on this machine "
-                    "alone.")
+                    "alone, or, with --worker_hosts, in collective mode.")
   flags.DEFINE_list("worker_hosts", [], "Workers' host:port list, the same "
                     "on every task; the first is the chief.")
   flags.DEFINE_enum("job_name", "worker", ["ps", "worker"], "This task's "

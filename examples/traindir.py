@@ -120,7 +120,7 @@ def prepare(train_dir: str, *, is_chief: bool = True) -> TrainDir:
     TrainDirError: as above, or if another trainer holds the lock.
   """
   if not is_chief:
-    return TrainDir(TrainDirLock(None), _peek_global_step(train_dir), None)
+    return TrainDir(TrainDirLock(None), latest_step(train_dir), None)
   os.makedirs(train_dir, exist_ok=True)
   lock = TrainDirLock(train_dir)
   try:
@@ -177,7 +177,9 @@ def check_restores(state: TrainDir, variables: Sequence[tf.Variable]) -> None:
         % (state.checkpoint, ", ".join(missing)))
 
 
-def _peek_global_step(train_dir: str) -> Optional[int]:
+def latest_step(train_dir: str) -> Optional[int]:
+  """The global step of `train_dir`'s latest checkpoint; None if there is
+  none or it cannot be read."""
   try:
     path = tf.train.latest_checkpoint(train_dir)
     return None if path is None else int(

@@ -147,7 +147,7 @@ class Watchdog(tf.train.SessionRunHook):
       self._since = time.time()
       self._phase = "between"
 
-  def unreachable(self) -> str:
+  def _unreachable(self) -> str:
     """The peers that do not accept a connection now, in words."""
     down = ["%s (%s)" % (name, host) for name, host in self._peers
             if not cluster.accepts_connections(host)]
@@ -163,14 +163,16 @@ class Watchdog(tf.train.SessionRunHook):
       return "creating the session"
     if phase == "step":
       return "step %d" % (step + 1)
-    return "recreating the session after step %d" % step
+    # The other hooks' work (a checkpoint, summaries), or, with recovery, a
+    # session recreated after a failed step: the watchdog cannot tell which.
+    return "the work after step %d" % step
 
   def explain(self, error: Exception) -> str:
     """Says what failed, what the worker waited for, and what to do."""
     first = _cause(error)
     return "%s failed after %.0fs with %s (%s): it waited for %s%s. %s" % (
         self._doing(), time.time() - self._since, type(error).__name__,
-        first, self._waiting_for, self.unreachable(), self._advice())
+        first, self._waiting_for, self._unreachable(), self._advice())
 
   def _watch(self) -> None:
     last_log = 0.0
@@ -191,7 +193,7 @@ class Watchdog(tf.train.SessionRunHook):
       if self._timeout is not None and waited > self._timeout:
         logging.error("No step for %.0fs (the timeout is %gs) in %s: it "
                       "waited for %s%s. Stopping: %s", waited, self._timeout,
-                      self._doing(), self._waiting_for, self.unreachable(),
+                      self._doing(), self._waiting_for, self._unreachable(),
                       self._advice())
         _exit(EXIT_STALLED)
       # Closing waits for nothing of a peer's: only the timeout applies.
@@ -200,7 +202,7 @@ class Watchdog(tf.train.SessionRunHook):
         doing = self._doing()
         logging.warning("%s has waited %.0fs for %s%s",
                         doing[:1].upper() + doing[1:], waited,
-                        self._waiting_for, self.unreachable())
+                        self._waiting_for, self._unreachable())
         last_log = now
 
   def _give_up_after_signal(self, signum: int, waited: float) -> None:
@@ -214,7 +216,7 @@ class Watchdog(tf.train.SessionRunHook):
     logging.warning("Received %s, but %s still waits for %s after %.0fs%s: "
                     "exiting without it%s", signal.Signals(signum).name,
                     self._doing(), self._waiting_for, waited,
-                    self.unreachable(), saved)
+                    self._unreachable(), saved)
     _exit(128 + signum)
 
 
