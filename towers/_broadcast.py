@@ -43,8 +43,8 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
     The op; on a graph of one worker, a no-op.
 
   Raises:
-    ValueError: if the towers were built for one worker but `var_list`
-      names variables whose shape is not fully defined.
+    ValueError: if `var_list` names a variable whose shape is not fully
+      defined.
     TypeError: if `var_list` holds something other than variables.
   """
   workers = _workers.count()
