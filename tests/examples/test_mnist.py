@@ -696,6 +696,10 @@ def test_a_finished_job_trains_no_step(trained_dir, tmp_path, absl_logs):
      "--precision=float16 needs loss scaling, which skips the steps whose "
      "gradients overflow, but with --ps_hosts SyncReplicasOptimizer needs "
      "every worker's gradients at every step: use --precision=bfloat16"),
+    (dict(precision="float16", worker_hosts=["localhost:2223"]),
+     "--precision=float16 needs loss scaling, which skips the steps whose "
+     "gradients overflow, and that skip is not tested across the workers "
+     "of collective mode"),
 ])
 def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
   args = dict(dict(max_steps=5), **args)
