@@ -22,10 +22,14 @@ sections (`run.interleave`):
   (``all_reduce='collective', num_workers=2``); the workers start from the
   chief's values (``towers.broadcast_variables``).
 
-Each visit of a round tells every worker of a cluster to run the same
-number of steps at once (a synchronous step needs them all) and takes, step
-by step, the slowest worker's time: examples/sec is the global batch over
-the median of those. A step that waits longer than
+Each visit of a round tells every worker of a cluster to run one step at
+once (a synchronous step needs them all), as many times as it has steps,
+and takes, step by step, the slowest worker's time: examples/sec is the
+global batch over the median of those. One step per command, not several:
+with a ps, a worker told to run several could take both of the step's
+``SyncReplicasOptimizer`` tokens and finish, leaving the other's step
+waiting for a token no gradient of the finished worker would release (seen
+as a 2-minute timeout in 2 of 6 runs of the test). A step that waits longer than
 `graphs.STEP_TIMEOUT_MS` fails (the collective sessions'
 ``operation_timeout_in_ms``; with a ps, each step's own), and a process
 that does not answer in `REPLY_TIMEOUT_SECS` fails the run and is killed:
@@ -288,13 +292,22 @@ class Cluster:
     for k, answer in enumerate(self._all("count")):
       self.traffic["worker:%d" % k] = answer["traffic"]
 
+  def _steps(self, steps: int) -> List[List[float]]:
+    """Each worker's times of `steps` steps, run one at a time on every
+    worker at once (see the module's docstring)."""
+    times: List[List[float]] = [[] for _ in self.workers]
+    for _ in range(steps):
+      for k, reply in enumerate(self._all("steps", steps=1)):
+        times[k] += reply["times"]
+    return times
+
   def measure_tcp(self, steps: int) -> None:
     """Measures the TCP bytes of each worker process over `steps` steps."""
     if self.kind == BASELINE:
       return
     pids = [w.pid for w in self.workers]
     before = tcp_bytes(pids)
-    self._all("steps", steps=steps)
+    self._steps(steps)
     after = tcp_bytes(pids)
     if before is None or after is None:
       logging.warning("ss -tinp is unavailable: no TCP bytes measured")
@@ -307,8 +320,7 @@ class Cluster:
 
   def run(self, steps: int) -> List[float]:
     """Runs `steps` steps on every worker; returns each one's slowest."""
-    replies = self._all("steps", steps=steps)
-    return [max(times) for times in zip(*(r["times"] for r in replies))]
+    return [max(times) for times in zip(*self._steps(steps))]
 
   def close(self) -> None:
     """Stops the workers, then the parameter server."""
