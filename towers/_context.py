@@ -139,7 +139,8 @@ def tower_context() -> Optional[TowerContext]:
 class Group:
   """The towers of one `build_towers` call and their cross-tower sums."""
 
-  def __init__(self, devices: Sequence[str], uniform: bool):
+  def __init__(self, devices: Sequence[str], uniform: bool,
+               device_check: Optional[tf.Operation] = None):
     self.graph = tf.get_default_graph()
     groups = _GROUPS.setdefault(self.graph, [])
     groups.append(self)
@@ -150,6 +151,9 @@ class Group:
     # it, the same factor in every tower); equal shares need no scaling.
     self.shares: List[Share] = [1.0] * len(devices)
     self.uniform = uniform
+    # No member launches before the towers are known to be apart
+    # (`_device_check`): on a shared device it would wait forever.
+    self._device_check = device_check
     # The k-th sum of every tower: its instance key, dtype and shape, and
     # each tower's member and result.
     self._instances: List[int] = []
@@ -264,8 +268,8 @@ class Group:
     previous = self.launched.get(spelled)
     members = self._members[k]
     with tf.device(device):
-      with tf.control_dependencies([previous] if previous is not None
-                                   else []):
+      with tf.control_dependencies(
+          [op for op in (previous, self._device_check) if op is not None]):
         output = _allreduce.member(tensor, *_workers.group(self.devices),
                                    self._instances[k])
       members[index] = output.op

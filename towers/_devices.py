@@ -60,9 +60,10 @@ def tower_devices(num_towers: int, *, task: Optional[str] = None
   """Lists one device per tower: GPUs when that many are visible, else CPUs.
 
   With at least `num_towers` visible GPUs the result is ``['/gpu:0', ...]``;
-  otherwise it is ``['/cpu:0', ..., '/cpu:{num_towers - 1}']``, which exist
-  only in a session made with ``virtual_cpu_config(num_towers)``. It asks the
-  runtime for this machine's physical devices and does nothing else.
+  with none, ``['/cpu:0', ..., '/cpu:{num_towers - 1}']``, which exist only
+  in a session made with ``virtual_cpu_config(num_towers)``. It asks the
+  runtime for this machine's physical devices and does nothing else. The
+  default devices of `build_towers` and `infer`.
 
   Args:
     num_towers: the number of towers.
@@ -73,10 +74,19 @@ def tower_devices(num_towers: int, *, task: Optional[str] = None
     A list of `num_towers` device strings.
 
   Raises:
-    TypeError, ValueError: if `num_towers` is not a positive int.
+    TypeError: if `num_towers` is not an int.
+    ValueError: if it is not positive, or some GPUs are visible but fewer
+      than `num_towers` (a tower per GPU is what was meant).
   """
   num_towers = check_count("num_towers", num_towers)
   gpus = tf.config.list_physical_devices("GPU")
-  kind = "gpu" if len(gpus) >= num_towers else "cpu"
+  if 0 < len(gpus) < num_towers:
+    raise ValueError(
+        "%d towers but %d GPU(s) visible (%s): the towers would not each "
+        "have a GPU. Build %d towers, make the other GPUs visible "
+        "(CUDA_VISIBLE_DEVICES), or pass devices= yourself"
+        % (num_towers, len(gpus), ", ".join(g.name for g in gpus),
+           len(gpus)))
+  kind = "gpu" if gpus else "cpu"
   prefix = (task or "").rstrip("/")
   return ["%s/%s:%d" % (prefix, kind, i) for i in range(num_towers)]

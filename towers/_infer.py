@@ -4,6 +4,7 @@ from typing import Callable, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
+from towers import _device_check
 from towers import _devices
 from towers import _placement
 from towers import _replicate
@@ -34,7 +35,7 @@ def infer(model_fn: Callable[..., object],
     inputs: a tensor or a nested structure of tensors holding the global
       batch on axis 0 (as for `build_towers`; not a callable: the outputs
       must come back in the batch's order).
-    devices: ``[num_gpus]`` tower devices; default ``['/gpu:0', ...]``.
+    devices: ``[num_gpus]`` tower devices; as for `build_towers`.
     variable_device: as for `build_towers`; ``'replicated'`` reads each
       tower's copy of the variables.
     tower_name: the prefix of the towers' name scopes.
@@ -60,8 +61,8 @@ def infer(model_fn: Callable[..., object],
         "structure of tensors), to put the outputs back in its order; got "
         "%r" % (inputs,))
 
-  def tower(index, scope, batch):
-    del index  # Every tower runs the same function.
+  def tower(index, scope, batch, check):
+    del index, check  # Every tower runs the same function; see below.
     outputs = model_fn(scope, *batch)
     for t in tf.nest.flatten(outputs):
       if not isinstance(t, tf.Tensor):
@@ -88,5 +89,6 @@ def infer(model_fn: Callable[..., object],
                        "in the first tower: %s" % (scope.rstrip("/"), e)
                       ) from None
   with tf.name_scope("%s_outputs" % tower_name):
-    return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0),
-                                 *built.results)
+    return tf.nest.map_structure(
+        lambda *t: _device_check.gate(tf.concat(t, axis=0),
+                                      built.device_check), *built.results)

@@ -8,6 +8,7 @@ import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
 from towers import _context
+from towers import _device_check
 from towers import _devices
 from towers import _gradients
 from towers import _inputs
@@ -104,7 +105,10 @@ def build_towers(model_fn: Callable[..., object],
       device, each tower getting its own batch. A tuple or list batch is
       passed as separate arguments; anything else (a tensor, a dict of
       features) as one argument, with the structure it came in.
-    devices: ``[num_gpus]`` tower devices; default ``['/gpu:0', ...]``.
+    devices: ``[num_gpus]`` tower devices; default
+      ``towers.tower_devices(num_gpus)`` (GPUs, or virtual CPUs where no
+      GPU is visible). Each session running the towers must have them all:
+      a step whose towers the session placed on one device fails.
     variable_device: ``'cpu'`` (``/cpu:0``, the original's), ``'gpu'`` (the
       first tower's device), ``'balanced'`` (each variable to the tower
       device holding the fewest bytes so far), a device string, or a device
@@ -208,8 +212,10 @@ def build_towers(model_fn: Callable[..., object],
                                     _check_devices(devices, num_gpus))
   first_vars: List[tf.Variable] = []
 
-  def tower(index, scope, batch):
+  def tower(index, scope, batch, check):
     loss, output = _check_result(model_fn(scope, *batch), scope)
+    # The gradients, and so every reduction of them, wait for the check.
+    _device_check.gate(loss, check)
     # Tower 0's batch-norm updates stand for all (tf-slim's choice): running
     # every tower's would apply N updates per step.
     update_ops = tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope) \
@@ -245,23 +251,26 @@ def build_towers(model_fn: Callable[..., object],
 
 
 Built = collections.namedtuple("Built", [
-    "results", "scopes", "devices", "batches", "weights"])
+    "results", "scopes", "devices", "batches", "weights", "device_check"])
 
 
-def run_towers(tower_fn: Callable[[int, str, List[object]], object],
+def run_towers(tower_fn: Callable[[int, str, List[object],
+                                    Optional[tf.Operation]], object],
                num_towers: int, *, inputs: _inputs.Inputs,
                devices: Optional[Sequence[str]],
                variable_device: _placement.VariableDevice,
                tower_name: str, allow_empty: bool = False,
                compute_dtype: _precision.ComputeDtype = None,
                stage_inputs: bool = False) -> Built:
-  """Calls ``tower_fn(index, scope, batch)`` once in each tower.
+  """Calls ``tower_fn(index, scope, batch, check)`` once in each tower.
 
   The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
   built under its device function and ``tf.name_scope('tower_i')`` inside
   the caller's variable scope, reusing tower 0's variables; `batch` is the
-  list of arguments its model function takes after the scope. The caller's
-  name scope is kept as it is (``model/tower_0/``, not ``model/model/``).
+  list of arguments its model function takes after the scope; `check` is
+  the towers' `_device_check` (None where none is needed), which what the
+  tower computes must wait for. The caller's name scope is kept as it is
+  (``model/tower_0/``, not ``model/model/``).
 
   With `compute_dtype`, `tower_fn` runs under `_precision.master_weights`;
   with `stage_inputs`, every tower's batch is read first, tower after tower,
@@ -269,7 +278,7 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
 
   Returns:
     A `Built`: ``[num_towers]`` results of `tower_fn`, the scopes, the
-    devices and each tower's share of the global batch.
+    devices, each tower's share of the global batch and the device check.
 
   Raises:
     RuntimeError: under eager execution.
@@ -304,8 +313,9 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
     names, staged = _read_staged(inputs, shards, devices, placer, names)
     weights = None
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
+  check = _device_check.build(devices, placer, "%s_device_check" % tower_name)
   group = _context.Group(devices, uniform=not sized and (
-      weights is None or _gradients.is_uniform(weights)))
+      weights is None or _gradients.is_uniform(weights)), device_check=check)
   results, scopes, batches, sizes = [], [], [], []
   # No auxiliary name scope: re-entering the caller's variable scope would
   # otherwise open its name scope again inside itself (model/model/tower_0).
@@ -326,7 +336,7 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
             1.0 if size is None else size)
         with group.tower(i, scope, share), \
             _precision.master_weights(compute_dtype):
-          results.append(tower_fn(i, scope, batch))
+          results.append(tower_fn(i, scope, batch, check))
         if i > 0 and len(trainable) > known:
           raise _unshared_variable_error(trainable[known], scope)
         # Later towers reuse tower 0's variables.
@@ -338,8 +348,7 @@ def run_towers(tower_fn: Callable[[int, str, List[object]], object],
     weights = _inputs.size_weights(sizes) if sized else [
         1.0 / num_towers] * num_towers
   return Built(results=results, scopes=scopes, devices=devices,
-               batches=batches,
-               weights=weights)
+               batches=batches, weights=weights, device_check=check)
 
 
 def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
@@ -388,7 +397,7 @@ def _check_replicated(variable_device: _placement.VariableDevice,
 def _check_devices(devices: Optional[Sequence[str]],
                    num_gpus: int) -> List[str]:
   if devices is None:
-    return ["/gpu:%d" % i for i in range(num_gpus)]
+    return _devices.tower_devices(num_gpus)
   if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
     raise TypeError("expected devices to be a list of %d device strings, got "
                     "%r" % (num_gpus, devices))
