@@ -112,6 +112,72 @@ def test_the_documented_regularization_is_shared_by_every_tower():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+def _get_variable_regularized_model(total_loss, drop=False):
+  """The tutorial's loss on a tf.get_variable regularizer, whose loss is
+  created beside the variable (``w/Regularizer/``), in no tower's scope."""
+
+  def model(scope, x, y):
+    w = tf.get_variable("w", initializer=np.ones((6, 3), np.float32),
+                        regularizer=lambda w: DECAY * tf.nn.l2_loss(w))
+    if drop:
+      del tf.get_collection_ref(tf.GraphKeys.REGULARIZATION_LOSSES)[:]
+    tf.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w))
+    return total_loss(scope)
+
+  return model
+
+
+def test_weight_decay_no_tower_reads_is_refused_naming_the_fix():
+  model = _get_variable_regularized_model(
+      lambda scope: tf.losses.get_total_loss(scope=scope))
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=r"no tower's loss reads the "
+                       r"regularization losses w/Regularizer(/mul)?, so "
+                       r"training would silently drop that weight decay.*"
+                       r"scope=scope\) \+ tf.losses.get_regularization_loss"
+                       r"\(\).*on purpose.*REGULARIZATION_LOSSES\)\[:\]"):
+      towers.build_towers(model, _sgd(), 2, inputs=_split(8)[2],
+                          devices=devices(2))
+
+
+def test_weight_decay_with_the_fix_gives_the_single_device_gradient():
+  model = _get_variable_regularized_model(
+      lambda scope: tf.losses.get_total_loss(
+          add_regularization_losses=False, scope=scope) +
+      tf.losses.get_regularization_loss())
+  with tf.Graph().as_default() as g:
+    x, y, inputs = _split(8)
+    w = tf.constant(np.ones((6, 3), np.float32))
+    want = tf.gradients(
+        tf.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w)) +
+        DECAY * tf.nn.l2_loss(w), w)[0]
+    t = towers.build_towers(model, _sgd(), 2, inputs=inputs,
+                            devices=devices(2))
+    [(grad, _)] = towers.average_gradients(t.tower_grads, t.weights)
+    with session(g) as sess:
+      sess.run(tf.global_variables_initializer())
+      got, want = sess.run([grad, want])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_weight_decay_taken_out_of_the_collection_is_left_out_on_purpose():
+  # The documented way to train without a model's regularizers.
+  model = _get_variable_regularized_model(
+      lambda scope: tf.losses.get_total_loss(scope=scope), drop=True)
+  with tf.Graph().as_default() as g:
+    x, y, inputs = _split(8)
+    w = tf.constant(np.ones((6, 3), np.float32))
+    want = tf.gradients(
+        tf.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w)), w)[0]
+    t = towers.build_towers(model, _sgd(), 2, inputs=inputs,
+                            devices=devices(2))
+    [(grad, _)] = towers.average_gradients(t.tower_grads, t.weights)
+    with session(g) as sess:
+      sess.run(tf.global_variables_initializer())
+      got, want = sess.run([grad, want])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_an_input_pipeline_built_inside_the_first_tower_may_be_shared():
   # The iterator is tower 0's op, but later towers read only its handle.
   x, y = batch(8)

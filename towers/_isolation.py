@@ -16,6 +16,11 @@ in the graph once the towers are built:
   regularizer runs once, when tower 0 creates the variable, so a loss that
   sums its own scope's collection counts it in tower 0 only (measured 7%
   off).
+- A regularization loss the towers created that no tower's loss reads:
+  ``tf.get_variable(..., regularizer=...)`` makes it beside the variable,
+  outside every tower's name scope, so the tutorial's
+  ``tf.losses.get_total_loss(scope=scope)`` misses it in every tower and
+  the weight decay is silently dropped.
 
 Neither walk crosses resource or reference tensors: a variable handle or a
 queue is shared state, not a tower's data.
@@ -33,6 +38,8 @@ _VARIABLE_READS = frozenset([
     "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
     "VarIsInitializedOp", "IsVariableInitialized"])
 
+_REGULARIZER = "/Regularizer/"
+
 _FIX = ("Build each tower's loss from its own tensors: "
         "tf.losses.get_total_loss(add_regularization_losses=False, "
         "scope=scope) + tf.losses.get_regularization_loss(), or "
@@ -41,15 +48,18 @@ _FIX = ("Build each tower's loss from its own tensors: "
 
 
 def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
-                 batches: Sequence[object]) -> None:
-  """Raises if a tower's loss reads another tower's data, or if the towers'
-  losses include different regularization losses.
+                 batches: Sequence[object],
+                 created: Sequence[object] = ()) -> None:
+  """Raises if a tower's loss reads another tower's data, if the towers'
+  losses include different regularization losses, or if one of `created`
+  reaches no tower's loss.
 
   Args:
     losses: ``[num_towers]`` scalar losses.
     scopes: ``[num_towers]`` name scopes (``'tower_0/'``, ...).
     batches: ``[num_towers]`` of what each tower's model function was given
       (nested structures of tensors; empty where it built its own input).
+    created: the regularization losses added while the towers were built.
 
   Raises:
     ValueError: naming the tower, the foreign op or regularization loss, and
@@ -66,9 +76,9 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
                for t in op.outputs]
     for op in _descendants(starts):
       owners[op].append(j)
-  regularization = {t.op for t in tf.get_collection(
-      tf.GraphKeys.REGULARIZATION_LOSSES) if isinstance(t, tf.Tensor)}
-  reached_regularization: List[Set[tf.Operation]] = []
+  regularization = _regularization_keys(
+      tf.get_collection(tf.GraphKeys.REGULARIZATION_LOSSES))
+  reached_regularization: List[Set[object]] = []
   for i, (loss, scope) in enumerate(zip(losses, scopes)):
     reached = _ancestors(loss.op)
     foreign = [(op, j) for op in reached for j in owners.get(op, ())
@@ -84,7 +94,8 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
           "'losses' collection, which hold the losses of the towers built "
           "before it? %s" % (_tower(scope), _tower(scopes[owner]), op.name,
                              _FIX))
-    reached_regularization.append(set(reached) & regularization)
+    reached_regularization.append(
+        {_regularization_key(op) for op in reached} & set(regularization))
   for i in range(1, len(losses)):
     has, lacks = 0, i
     extra = reached_regularization[0] - reached_regularization[i]
@@ -97,8 +108,47 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
           "%s's includes %s, %s's does not. A regularizer runs once, when "
           "tower 0 creates the variable, so a loss that sums its own scope's "
           "collection counts it in tower 0 only. %s"
-          % (_tower(scopes[has]), ", ".join(sorted(op.name for op in extra)),
+          % (_tower(scopes[has]),
+             ", ".join(sorted(regularization[k] for k in extra)),
              _tower(scopes[lacks]), _FIX))
+  made = _regularization_keys(created)
+  dropped = sorted(name for k, name in made.items()
+                   if k not in reached_regularization[0])
+  if dropped:
+    raise ValueError(
+        "no tower's loss reads the regularization losses %s, so training "
+        "would silently drop that weight decay: a regularizer's loss is "
+        "created beside its variable, outside every tower's name scope, "
+        "where tf.losses.get_total_loss(scope=scope) and the scope's "
+        "collection do not look. %s. To train without them on purpose, take "
+        "them out of the collection in model_fn: del tf.get_collection_ref("
+        "tf.GraphKeys.REGULARIZATION_LOSSES)[:]" % (", ".join(dropped), _FIX))
+
+
+def _regularization_keys(losses: Sequence[object]) -> Dict[object, str]:
+  """{key: name} of regularization losses, keyed as `_regularization_key`.
+
+  ``tf.get_variable`` keeps a resource variable's regularization loss as a
+  lazy tensor that builds its op anew, in the scope ``<var>/Regularizer/``,
+  wherever it is used: that one is known by its scope, the others by op.
+  """
+  keys: Dict[object, str] = {}
+  for loss in losses:
+    op = getattr(loss, "op", None)
+    if not isinstance(op, tf.Operation):
+      continue
+    if isinstance(loss, tf.Tensor):
+      keys[op] = op.name
+    else:
+      key = _regularization_key(op)
+      keys[key] = key.rstrip("/") if isinstance(key, str) else op.name
+  return keys
+
+
+def _regularization_key(op: tf.Operation) -> object:
+  """The scope ``<var>/Regularizer/`` holding `op`, else `op` itself."""
+  at = op.name.find(_REGULARIZER)
+  return op if at < 0 else op.name[:at + len(_REGULARIZER)]
 
 
 def _tower(scope: str) -> str:

@@ -183,7 +183,10 @@ def build_towers(model_fn: Callable[..., object],
       after the first creates a trainable variable (the towers would not
       share it), a tower's loss reads another tower's data, or the towers'
       losses include different regularization losses, or the towers built
-      different cross-tower sums (see `TowerContext.all_sum`), or
+      different cross-tower sums (see `TowerContext.all_sum`), or a
+      regularization loss created with the towers reaches no tower's loss
+      (weight decay silently dropped), or `devices` is None and some GPUs
+      but fewer than `num_gpus` are visible, or
       `num_workers` is below 1, or above 1 with towers that are not
       replicated, another all-reduce than ``'collective'``, or `devices`
       that do not name one task of its job (or name a task beyond
@@ -233,11 +236,14 @@ def build_towers(model_fn: Callable[..., object],
       first_vars.extend(v for _, v in grads)
     return loss, output, grads, update_ops, summaries
 
+  regularization = tf.get_collection_ref(tf.GraphKeys.REGULARIZATION_LOSSES)
+  known = len(regularization)
   built = run_towers(tower, num_gpus, inputs=inputs, devices=devices,
                      variable_device=variable_device, tower_name=tower_name,
                      compute_dtype=compute_dtype, stage_inputs=stage_inputs)
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
-  _isolation.check_losses(losses, built.scopes, built.batches)
+  _isolation.check_losses(losses, built.scopes, built.batches,
+                          created=regularization[known:])
   with tf.name_scope("%s_loss" % tower_name):
     mean_loss = tf.add_n([loss * tf.cast(w, loss.dtype)
                           for loss, w in zip(losses, built.weights)])
