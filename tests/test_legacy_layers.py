@@ -8,10 +8,8 @@ TensorFlow has them built in.
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import tensorflow as tf2
@@ -91,42 +89,3 @@ def test_per_tower_tf_layers_differs_and_synchronized_does_not(result):
   gaps = result["per_tower_gaps"]
   assert gaps["tf_layers"] > 1e-2
   assert gaps["synchronized"] < 1e-5
-
-
-def test_readme_batch_norm_port_trains_on_four_towers():
-  if _keras_3() and importlib.util.find_spec("tf_keras") is None:
-    pytest.skip("TensorFlow %s has Keras 3 and tf_keras is not installed"
-                % tf2.__version__)
-  with open(os.path.join(HERE, "..", "README.md")) as f:
-    text = f.read()
-  code = re.search(r"\*\*Porting a `tf.layers` model with batch norm\*\*.*?"
-                   r"```python\n(.*?)```", text, re.S).group(1)
-  # The snippet as users see it, on 4 virtual CPU devices (no GPU here).
-  code = code.replace("inputs=(images, labels))",
-                      "inputs=(images, labels), devices=devices)")
-  assert "devices=devices" in code
-  program = textwrap.dedent("""
-      import numpy as np
-      import tensorflow.compat.v1 as tf
-      import towers
-      tf.disable_eager_execution()
-      rng = np.random.RandomState(0)
-      images = tf.constant(rng.normal(size=(16, 8, 8, 1)).astype(np.float32))
-      labels = tf.constant(rng.randint(0, 10, 16).astype(np.int64))
-      devices = ["/cpu:%d" % i for i in range(4)]
-      """) + code + textwrap.dedent("""
-      config = towers.virtual_cpu_config(4, operation_timeout_in_ms=60000)
-      with tf.Session(config=config) as sess:
-        sess.run(tf.global_variables_initializer())
-        first = sess.run(t.loss)
-        for _ in range(10):
-          sess.run(train_op)
-        print(first, sess.run(t.loss))
-      """)
-  env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
-  done = subprocess.run([sys.executable, "-c", program], env=env,
-                        capture_output=True, text=True, timeout=300,
-                        check=False)
-  assert done.returncode == 0, done.stderr[-3000:]
-  first, last = map(float, done.stdout.split())
-  assert last < first

@@ -1,0 +1,151 @@
+"""Every Python snippet of the README and docs/ runs as written, to the end.
+
+Each snippet runs in a fresh process after a prelude that defines what
+snippets take as given (``opt``, ``batch``, a ``model_fn``, ...), then an
+epilogue that trains what it built on virtual CPU devices for a few steps
+(the loss must fall) or runs what it computes. Snippets that run a session
+themselves run as they are. Every run is under an operation timeout and a
+process timeout: a snippet that would hang fails.
+"""
+
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tensorflow as tf2
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+PRELUDE = textwrap.dedent("""
+    import socket
+    import sys
+    import numpy as np
+    import tensorflow.compat.v1 as tf
+    import towers
+    tf.disable_eager_execution()
+    sys.path.insert(0, %r)
+    import mnist_model
+    rng = np.random.RandomState(0)
+    images = tf.constant(rng.rand(32, 784).astype(np.float32))
+    labels = tf.constant(rng.randint(0, 10, 32).astype(np.int64))
+    batch = (images, labels)
+    opt = tf.train.GradientDescentOptimizer(0.01)
+
+    def tower_loss(images, labels):
+      w = tf.get_variable("w", [784, 10], initializer=tf.zeros_initializer())
+      return tf.losses.sparse_softmax_cross_entropy(labels,
+                                                    tf.matmul(images, w))
+
+    def model_fn(scope, images, labels):
+      del scope
+      return tower_loss(images, labels)
+    """) % os.path.join(ROOT, "examples")
+
+# What a snippet's epilogue runs in a session of 4 virtual CPU devices.
+EPILOGUE = textwrap.dedent("""
+    if "train_op" not in globals() and "logits" not in globals():
+      train_op, t = towers.minimize(model_fn, opt, 4, inputs=batch)
+    feeds = {}
+    for op in tf.get_default_graph().get_operations():
+      if op.type == "Placeholder":
+        value = op.outputs[0]
+        shape = [8 if d is None else d for d in value.shape.as_list()]
+        feeds[value] = rng.rand(*shape).astype(value.dtype.as_numpy_dtype)
+    config = towers.virtual_cpu_config(4, operation_timeout_in_ms=60000)
+    with tf.Session(config=config) as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(tf.local_variables_initializer())
+      if "train_op" in globals():
+        first = sess.run(t.loss, feeds)
+        for _ in range(5):
+          sess.run(train_op, feeds)
+        last = sess.run(t.loss, feeds)
+        assert last < first, (first, last)
+      else:
+        assert sess.run(logits, feeds).shape[0] == 8
+    """)
+
+# Snippets that need more than the prelude, by a line of theirs.
+SETUPS = {
+    # Convolutions: image-shaped inputs.
+    'tf.layers.conv2d(images, 32, 3, padding="same"': textwrap.dedent("""
+        images = tf.constant(rng.rand(16, 8, 8, 1).astype(np.float32))
+        labels = tf.constant(rng.randint(0, 10, 16).astype(np.int64))
+        """),
+    # A cluster of one worker, with its server on loopback.
+    "num_workers=W": textwrap.dedent("""
+        with socket.socket() as s:
+          s.bind(("127.0.0.1", 0))
+          port = s.getsockname()[1]
+        server = tf.train.Server(
+            tf.train.ClusterSpec({"worker": ["127.0.0.1:%d" % port]}),
+            job_name="worker", task_index=0,
+            config=towers.virtual_cpu_config(2))
+        task_index, num_workers, towers_per_worker = 0, 1, 2
+        global_step = tf.train.get_or_create_global_step()
+        """),
+}
+EPILOGUES = {
+    "num_workers=W": textwrap.dedent("""
+        config = towers.virtual_cpu_config(2, operation_timeout_in_ms=60000)
+        config.experimental.collective_group_leader = (
+            "/job:worker/replica:0/task:0")
+        with tf.train.MonitoredTrainingSession(
+            master=server.target, is_chief=True, scaffold=scaffold,
+            config=config) as sess:
+          first = sess.run(t.loss)
+          for _ in range(5):
+            sess.run(train_op)
+          last = sess.run(t.loss)
+        assert last < first, (first, last)
+        """),
+}
+
+
+def _snippets():
+  paths = [os.path.join(ROOT, "README.md")] + sorted(
+      glob.glob(os.path.join(ROOT, "docs", "*.md")))
+  for path in paths:
+    with open(path) as f:
+      text = f.read()
+    for match in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+      line = text.count("\n", 0, match.start()) + 1
+      yield "%s:%d" % (os.path.relpath(path, ROOT), line), match.group(1)
+
+
+SNIPPETS = dict(_snippets())
+
+
+def _program(code):
+  setup = "".join(s for key, s in SETUPS.items() if key in code)
+  if "tf.Session(" in code:
+    epilogue = ""  # It runs itself.
+  else:
+    epilogue = "".join(e for key, e in EPILOGUES.items() if key in code) \
+        or EPILOGUE
+  return PRELUDE + setup + code + epilogue + '\nprint("snippet ran")\n'
+
+
+def test_the_docs_have_snippets():
+  assert len(SNIPPETS) >= 10
+
+
+@pytest.mark.parametrize("where", sorted(SNIPPETS))
+def test_snippet_runs_to_the_end(where):
+  code = SNIPPETS[where]
+  keras_3 = tuple(map(int, tf2.__version__.split(".")[:2])) >= (2, 16)
+  if "tf.layers." in code and keras_3 and importlib.util.find_spec(
+      "tf_keras") is None:
+    pytest.skip("TensorFlow %s has Keras 3 and tf_keras is not installed"
+                % tf2.__version__)
+  env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
+  done = subprocess.run([sys.executable, "-c", _program(code)], env=env,
+                        capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert done.returncode == 0, "%s failed:\n%s" % (where, done.stderr[-3000:])
+  assert done.stdout.rstrip().endswith("snippet ran")
