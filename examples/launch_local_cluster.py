@@ -12,7 +12,10 @@ Two kinds: with parameter servers (--num_ps=1 or more), or without
 
 Starts the parameter servers and workers as separate processes on free
 loopback ports, streams their logs with a task prefix, and stops the
-parameter servers when the workers are done. SIGTERM or Ctrl-C (SIGINT) is
+parameter servers when the workers are done. It exits with the worst of the
+workers' exit statuses, as a shell gives them: 0 when all finished, 128 +
+N for one killed by signal N, named in one line (``worker 1 was killed by
+SIGKILL (exit status 137)``). SIGTERM or Ctrl-C (SIGINT) is
 passed on to the workers, so the chief saves a checkpoint; the parameter
 servers, which hold the variables it saves, are stopped only after the
 workers have exited (or after --stop_grace_secs, when the rest get
@@ -157,21 +160,25 @@ class Cluster:
   def wait_for_workers(self, poll_secs: float = 0.5,
                        stop: Callable[[], bool] = lambda: False
                       ) -> Optional[int]:
-    """Waits until every worker has exited; returns the worst exit code.
+    """Waits until every worker has exited; returns the worst exit status.
 
     A failed worker does not stop the others: with backup workers
     (--replicas_to_aggregate below the number of workers) training goes on.
-    Returns None as soon as `stop()` is true, with workers still running.
+    Each task that failed, or was killed, is logged in one line (`describe`),
+    a parameter server that ended on its own too. The status is the shell's
+    (`exit_status`: 128 + the signal's number for a killed worker), the
+    highest of the workers'. Returns None as soon as `stop()` is true, with
+    workers still running.
     """
     while any(p.poll() is None for p in self.workers().values()):
       if stop():
         return None
       time.sleep(poll_secs)
-    codes = {n: p.returncode for n, p in self.workers().items()}
-    for name, code in sorted(codes.items()):
-      if code:
-        logging.warning("%s exited with code %d", name, code)
-    return max(codes.values(), key=abs) if codes else 0
+    for name, proc in sorted(self.tasks.items()):
+      if proc.poll():
+        logging.warning("%s", describe(name, proc.returncode))
+    return max((exit_status(p.returncode) for p in self.workers().values()),
+               default=0)
 
   def stop(self, signum: int = signal.SIGTERM, grace_secs: float = 30.0,
            ps_grace_secs: float = 5.0) -> None:
@@ -200,6 +207,28 @@ class Cluster:
     self.stop()
 
 
+def exit_status(returncode: int) -> int:
+  """A `subprocess` return code as a shell's exit status (0-255).
+
+  A process killed by signal N (return code -N) is 128 + N: 137 for
+  SIGKILL, 143 for SIGTERM.
+  """
+  return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(name: str, returncode: int) -> str:
+  """One line: how task `name` ("worker1", "ps0") ended, by `returncode`."""
+  job = name.rstrip("0123456789")
+  task = "%s %s" % (job, name[len(job):])
+  if returncode < 0:
+    try:
+      how = "was killed by %s" % signal.Signals(-returncode).name
+    except ValueError:
+      how = "was killed by signal %d" % -returncode
+    return "%s %s (exit status %d)" % (task, how, exit_status(returncode))
+  return "%s exited with status %d" % (task, returncode)
+
+
 def _stop(procs, signum: int, grace_secs: float) -> None:
   running = [p for p in procs if p.poll() is None]
   for proc in running:
@@ -222,7 +251,7 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 def run(num_ps: int, num_workers: int, args: Sequence[str],
         script: Optional[str] = None, stop_grace_secs: float = 30.0) -> int:
-  """Runs the cluster until its workers finish; returns the worst exit code.
+  """Runs the cluster until its workers finish; returns the worst exit status.
 
   SIGTERM or SIGINT (Ctrl-C) is passed on to the workers, which get
   `stop_grace_secs` to save and exit before the parameter servers are

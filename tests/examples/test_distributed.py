@@ -242,6 +242,51 @@ def test_the_launcher_passes_a_signal_to_the_workers_then_stops_the_ps(
       stubborn["signal%d" % signal.SIGINT] + 1.9)
 
 
+# A stand-in task that records its pid, then exits 0 once the file "finish"
+# is in its --log_dir.
+FINISHING_TASK = r"""
+import os, sys, time
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
+name = args["job_name"] + args["task_index"]
+with open(os.path.join(args["log_dir"], name), "a") as f:
+  f.write("pid %d\n" % os.getpid())
+while not os.path.exists(os.path.join(args["log_dir"], "finish")):
+  time.sleep(0.1)
+"""
+
+
+def test_a_worker_killed_by_sigkill_gives_137_and_one_line_naming_it(
+    tmp_path):
+  script = tmp_path / "task.py"
+  script.write_text(FINISHING_TASK)
+  log_dir = tmp_path / "log"
+  log_dir.mkdir()
+  launcher = subprocess.Popen(
+      [sys.executable, os.path.join(EXAMPLES, "launch_local_cluster.py"),
+       "--num_ps=1", "--num_workers=2", "--script=%s" % script, "--",
+       "--log_dir=%s" % log_dir], stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait(lambda: all("pid" in _events(str(log_dir), n)
+                      for n in ("ps0", "worker0", "worker1")), 60,
+          "the tasks to start", launcher)
+    worker1 = int(_events(str(log_dir), "worker1")["pid"])
+    os.kill(worker1, signal.SIGKILL)
+    _wait(lambda: not _alive(worker1), 10, "worker1 to die")
+    (log_dir / "finish").write_text("")  # The others finish, exit 0.
+    out, _ = launcher.communicate(timeout=60)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait()
+  assert launcher.returncode == 128 + signal.SIGKILL, out
+  lines = [line for line in out.splitlines() if "was killed" in line]
+  assert len(lines) == 1, out
+  assert lines[0].endswith("worker 1 was killed by SIGKILL (exit status 137)")
+  assert "worker 0" not in out and "ps 0" not in out  # They exited 0.
+  assert "Traceback" not in out
+
+
 def _run_task(args, timeout=120):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   return subprocess.run([sys.executable, TRAIN] + args, capture_output=True,
