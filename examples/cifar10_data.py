@@ -263,7 +263,9 @@ def train_dataset(paths: Sequence[str], batch_size: int,
 
   Build it on the CPU. Shuffling holds raw records (3 KB each), 40% of the
   training set by default as in the tutorial; distortions are drawn anew
-  each epoch. Every batch holds exactly `batch_size` examples.
+  each epoch. Every batch holds exactly `batch_size` examples. Like the
+  other pipelines here it runs without tf.data's autotuning model, whose
+  thread a closing session waits for (`common.without_autotune`).
 
   Args:
     paths: the training batch files (checked with `check_files`).
@@ -277,8 +279,8 @@ def train_dataset(paths: Sequence[str], batch_size: int,
   dataset = tf.data.FixedLengthRecordDataset(list(paths), RECORD_BYTES)
   dataset = dataset.shuffle(shuffle_buffer).repeat()
   dataset = dataset.map(_train_example, num_parallel_calls=tf.data.AUTOTUNE)
-  return dataset.batch(batch_size, drop_remainder=True).prefetch(
-      tf.data.AUTOTUNE)
+  return common.without_autotune(dataset.batch(
+      batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
 
 def fake_train_dataset(batch_size: int) -> tf.data.Dataset:
@@ -290,8 +292,8 @@ def fake_train_dataset(batch_size: int) -> tf.data.Dataset:
   """
   dataset = tf.data.Dataset.random(seed=0).map(
       _fake_example, num_parallel_calls=tf.data.AUTOTUNE)
-  return dataset.batch(batch_size, drop_remainder=True).prefetch(
-      tf.data.AUTOTUNE)
+  return common.without_autotune(dataset.batch(
+      batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
 
 def eval_dataset(paths: Sequence[str], batch_size: int,
@@ -303,4 +305,5 @@ def eval_dataset(paths: Sequence[str], batch_size: int,
   dataset = tf.data.FixedLengthRecordDataset(list(paths), RECORD_BYTES)
   dataset = dataset.take(num_examples)
   dataset = dataset.map(_eval_example, num_parallel_calls=tf.data.AUTOTUNE)
-  return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+  return common.without_autotune(
+      dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE))

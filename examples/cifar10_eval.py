@@ -23,7 +23,13 @@ one line naming it.
 """
 
 import collections
+import os
 from typing import Optional, Sequence
+
+if __name__ == "__main__":
+  # Before TensorFlow loads: its C++ INFO and WARNING lines stay out of the
+  # log, unless the user chose a level (docs/examples.md, "The log").
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app
 from absl import flags
@@ -164,13 +170,15 @@ def evaluate(*, data_dir: str, checkpoint_dir: str, eval_dir: str,
     common.DownloadError: if the data are absent and cannot be downloaded.
     cifar10_data.CorruptDataError: if the test file is truncated or corrupt.
     common.FlagError: for an argument out of its `BOUNDS`, or a directory
-      that is a file.
+      `common.dir_problem` refuses (empty, a file, under a file, an
+      --eval_dir that cannot be written).
   """
   common.check_args(BOUNDS, num_examples=num_examples, batch_size=batch_size,
                     eval_interval_secs=eval_interval_secs)
-  for name, path in (("checkpoint_dir", checkpoint_dir),
-                     ("data_dir", data_dir), ("eval_dir", eval_dir)):
-    common.check_dir(name, path)
+  for name, path, kind in (("checkpoint_dir", checkpoint_dir, common.READ),
+                           ("data_dir", data_dir, common.READ),
+                           ("eval_dir", eval_dir, common.WRITTEN)):
+    common.check_dir(name, path, kind)
   cifar10_data.maybe_download_and_extract(data_dir, urls)
   test_files = cifar10_data.data_files(data_dir, train=False)
   present = cifar10_data.check_files(test_files)
@@ -216,8 +224,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("batch_size", 128, "Images per evaluation batch.")
   flags.DEFINE_boolean("run_once", False, "Evaluate the latest checkpoint "
                        "once and exit.")
-  common.register_flag_checks(
-      BOUNDS, directories=["checkpoint_dir", "data_dir", "eval_dir"])
+  common.register_flag_checks(BOUNDS, directories=dict(
+      checkpoint_dir=common.READ, data_dir=common.READ,
+      eval_dir=common.WRITTEN))
 
 
 def main(argv):

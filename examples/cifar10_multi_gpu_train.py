@@ -58,8 +58,8 @@ late with several GPUs).
 Every --log_frequency steps the tutorial's line is logged, ``step %d, loss =
 %.2f (%.1f examples/sec; %.3f sec/batch)``, with the mean loss over the
 towers; a NaN loss stops training. A flag out of range (``--batch_size=0``,
-``--pack_bytes=-1``) or a --train_dir that is a file stops the script at
-once with one line naming the flag.
+``--pack_bytes=-1``) or a bad --train_dir (empty, a file, under a file,
+not writable) stops the script at once with one line naming the flag.
 
 Checkpoints (every --save_checkpoint_steps and at the last step) and
 summaries (the final tower's, the learning rate, variable and gradient
@@ -80,7 +80,13 @@ rotates out.
 
 import collections
 import functools
+import os
 from typing import Optional, Sequence
+
+if __name__ == "__main__":
+  # Before TensorFlow loads: its C++ INFO and WARNING lines stay out of the
+  # log, unless the user chose a level (docs/examples.md, "The log").
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app
 from absl import flags
@@ -301,10 +307,12 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     The global step reached.
 
   Raises:
-    common.FlagError: for an argument out of its `BOUNDS`, a directory that
-      is a file, or a `variable_device` and `all_reduce` combination that
-      cannot work (`common.check_variable_flags`); common.DeviceError (one)
-      if a session lacks a tower device.
+    common.FlagError: for an argument out of its `BOUNDS`, a directory
+      `common.dir_problem` refuses (empty, a file, under a file, a
+      `train_dir` that cannot be written), or a `variable_device` and
+      `all_reduce` combination that cannot work
+      (`common.check_variable_flags`); common.DeviceError (one) if a session
+      lacks a tower device.
     traindir.TrainDirError: if `train_dir` is in use by another trainer, or
       holds checkpoints it cannot safely resume from
       (`traindir.prepare`), or that lack a variable of this run's graph (a
@@ -324,7 +332,7 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
       initial_learning_rate=initial_learning_rate,
       shuffle_buffer=shuffle_buffer, pack_bytes=pack_bytes)
   common.check_dir("train_dir", train_dir)
-  common.check_dir("data_dir", data_dir)
+  common.check_dir("data_dir", data_dir, common.READ)
   common.check_variable_flags(variable_device, all_reduce)
   devices, config = common.tower_setup(num_gpus, log_device_placement)
   if fake_data:
@@ -401,7 +409,10 @@ def define_flags() -> None:
                        "tutorial made the variables themselves float16 and "
                        "scaled nothing.")
   common.define_xla_and_staging_flags()
-  common.register_flag_checks(BOUNDS, directories=["train_dir", "data_dir"])
+  common.register_flag_checks(BOUNDS, directories=dict(
+      train_dir=common.WRITTEN, data_dir=common.READ))
+  # --help lists the main module's key flags: the shared ones count too.
+  flags.adopt_module_key_flags(common)
 
 
 def main(argv):

@@ -250,13 +250,18 @@ def start_task(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
 
   Raises:
     ClusterError, TimeoutError: as `make_cluster`, `wait_for_hosts` and
-      `check_same_cluster` do.
+      `check_same_cluster` do; ClusterError also if some GPUs are visible
+      but fewer than `num_towers`.
   """
   cluster = make_cluster(ps_hosts, worker_hosts, job_name, task_index)
   collective = not ps_hosts
   config = towers.virtual_cpu_config(num_towers,
                                      log_device_placement=log_device_placement)
-  if towers.tower_devices(num_towers)[0].startswith("/gpu"):
+  try:
+    gpus = towers.tower_devices(num_towers)[0].startswith("/gpu")
+  except ValueError as e:
+    raise ClusterError("--num_gpus=%d: %s" % (num_towers, e)) from None
+  if gpus:
     config = tf.ConfigProto(allow_soft_placement=True,
                             log_device_placement=log_device_placement)
   if collective:

@@ -1,15 +1,18 @@
 """What the MNIST and CIFAR-10 examples share.
 
-Devices (GPUs, or virtual CPUs with one log line saying so), flag checks,
-the training loop with the original tutorial's log line, NaN stop,
-checkpoints, summaries, resume and a checkpoint on SIGTERM/SIGINT, the
-evaluation schedule, and cached, hash-checked downloads (the training
-directory's lock and checks are in traindir.py). Example code, not part of
-the `towers` library.
+Devices (GPUs, or virtual CPUs with one log line saying so), flag checks
+(directory flags included), the training loop with the original tutorial's
+log line, NaN stop, checkpoints, summaries, resume and a checkpoint on
+SIGTERM/SIGINT, the evaluation schedule, each TensorFlow log line once,
+input pipelines whose session closes at once, and cached, hash-checked
+downloads (the training directory's lock and checks are in traindir.py).
+Example code, not part of the `towers` library.
 """
 
 import contextlib
+import functools
 import hashlib
+import logging as std_logging
 import math
 import os
 import signal
@@ -70,15 +73,81 @@ def check_args(bounds: Mapping[str, Bounds], **args) -> None:
                                               _describe(bounds[name])))
 
 
-def check_dir(name: str, path: Optional[str]) -> None:
-  """Checks that the directory flag `name` is a directory or absent yet.
+# How a script uses a directory flag: WRITTEN, created if absent and written
+# (--train_dir, --eval_dir); or READ, only read (--checkpoint_dir, waited
+# for if absent; --data_dir, where MNIST's missing files are downloaded to,
+# but which may be a read-only copy of the data).
+WRITTEN = "written"
+READ = "read"
+
+
+def _dir_problem(path: Optional[str], kind: str
+                ) -> Optional[Tuple[str, str]]:
+  """(what is wrong with directory `path`, the fix), or None if nothing is."""
+  if path is None:
+    return None  # An optional flag left out.
+  if not path:
+    return ("is empty", "name a directory, or leave the flag out for its "
+            "default")
+  path = os.path.abspath(path)
+  head = path  # The nearest part of `path` that exists.
+  while not os.path.lexists(head):
+    head = os.path.dirname(head)
+  if not os.path.isdir(head):
+    what = "a file" if os.path.isfile(head) else "not a directory"
+    if head != path:
+      return ("is under %s, which is %s" % (head, what),
+              "point it at a directory")
+    return ("is a file, not a directory" if what == "a file" else
+            "is not a directory",
+            "point it at a directory" +
+            (" (it is created if absent)" if kind == WRITTEN else ""))
+  if kind == WRITTEN and not os.access(head, os.W_OK | os.X_OK):
+    return ("is not writable" if head == path else
+            "cannot be created (%s is not writable)" % head,
+            "point it at a directory you can write to")
+  return None
+
+
+def dir_problem(path: Optional[str], kind: str = WRITTEN) -> Optional[str]:
+  """What makes `path` unusable for a directory flag, and the fix; or None.
+
+  Refused: an empty path, a file, a path under a file; for a `kind`
+  WRITTEN directory also one this process cannot write, or, absent, cannot
+  create (its nearest existing parent is not writable). None passes (an
+  optional flag left out). The words follow the flag: ``--train_dir=X is
+  a file, not a directory: point it at a directory (it is created if
+  absent)``.
+  """
+  problem = _dir_problem(path, kind)
+  return None if problem is None else "%s: %s" % problem
+
+
+def check_dir(name: str, path: Optional[str], kind: str = WRITTEN) -> None:
+  """Checks the directory flag (or argument) `name` (see `dir_problem`).
 
   Raises:
-    FlagError: if `path` exists and is not a directory.
+    FlagError: naming the flag, what is wrong and the fix.
   """
-  if path is not None and os.path.exists(path) and not os.path.isdir(path):
-    raise FlagError("--%s=%s is a file, not a directory: point --%s at a "
-                    "directory (it is created if absent)" % (name, path, name))
+  problem = dir_problem(path, kind)
+  if problem is not None:
+    raise FlagError("--%s=%s %s" % (name, path, problem))
+
+
+def check_default_eval_dir(checkpoint_dir: str) -> str:
+  """Returns an evaluator's default event directory, checkpoint_dir/eval.
+
+  Raises:
+    FlagError: if it cannot be made or written, saying to give --eval_dir.
+  """
+  eval_dir = os.path.join(checkpoint_dir, "eval")
+  problem = _dir_problem(eval_dir, WRITTEN)
+  if problem is not None:
+    raise FlagError(
+        "--checkpoint_dir=%s: without --eval_dir the evaluation summaries go "
+        "to %s, which %s: give --eval_dir" % (checkpoint_dir, eval_dir,
+                                              problem[0]))
+  return eval_dir
 
 
 # --variable_device: the towers' one-copy placements (`towers.build_towers`'
@@ -313,10 +382,12 @@ def log_packing(t: towers.Towers, pack_bytes: int) -> None:
 
 
 def register_flag_checks(bounds: Mapping[str, Bounds],
-                         directories: Sequence[str] = ()) -> None:
+                         directories: Optional[Mapping[str, str]] = None
+                        ) -> None:
   """Has absl check the script's flags when it parses them.
 
-  A flag out of its `bounds`, a directory flag naming a file, a
+  A flag out of its `bounds`, a directory flag `dir_problem` refuses (each
+  of `directories` maps a flag to its kind, `WRITTEN` or `READ`), a
   --variable_device and --all_reduce combination `check_variable_flags`
   refuses, or a --precision a cluster cannot take (`check_precision`), then
   stops the script before anything is built, with one line naming the flag
@@ -328,11 +399,9 @@ def register_flag_checks(bounds: Mapping[str, Bounds],
       flags.register_validator(
           name, lambda v, b=b: v is None or _in_bounds(v, b),
           message="must be %s" % _describe(b))
-  for name in directories:
-    flags.register_validator(
-        name, lambda p: not p or not os.path.exists(p) or os.path.isdir(p),
-        message="is a file, not a directory: point it at a directory (it is "
-        "created if absent)")
+  for name, kind in (directories or {}).items():
+    flags.register_validator(name, functools.partial(_check_dir_flag,
+                                                     kind=kind))
   # One check per group, so that absl's line names only the flags at fault
   # (with the host lists where the script has them: they decide the rules).
   hosts = ("ps_hosts", "worker_hosts")
@@ -343,6 +412,13 @@ def register_flag_checks(bounds: Mapping[str, Bounds],
       (("precision",) + hosts, _check_precision)):
     if all(n in flags.FLAGS for n in names):
       flags.register_multi_flags_validator(names, check)
+
+
+def _check_dir_flag(path: Optional[str], kind: str) -> bool:
+  problem = dir_problem(path, kind)
+  if problem is not None:
+    raise flags.ValidationError(problem)
+  return True
 
 
 def _check_variable_flags(values: Mapping[str, object]) -> bool:
@@ -371,22 +447,26 @@ def tower_setup(num_gpus: int, log_device_placement: bool = False
                ) -> Tuple[List[str], tf.ConfigProto]:
   """Returns the tower devices and the session config for `num_gpus` towers.
 
-  GPUs when that many are visible; else as many virtual CPU devices, with one
-  log line saying so. Checks that a session made with the config has every
-  tower device (see `check_devices`).
+  GPUs when that many are visible; virtual CPU devices when none is, with
+  one log line saying so. Checks that a session made with the config has
+  every tower device (see `check_devices`).
 
   Raises:
-    DeviceError: if it does not.
+    DeviceError: if some GPUs are visible but fewer than `num_gpus`, or the
+      session lacks a tower device.
   """
-  devices = towers.tower_devices(num_gpus)
+  try:
+    devices = towers.tower_devices(num_gpus)
+  except ValueError as e:
+    raise DeviceError("--num_gpus=%d: %s" % (num_gpus, e)) from None
   if devices[0].startswith("/gpu"):
     config = tf.ConfigProto(allow_soft_placement=True,
                             log_device_placement=log_device_placement)
   else:
     logging.info(
-        "Fewer GPUs visible than --num_gpus=%d: running the tower(s) on "
-        "virtual CPU devices %s (correct, but they share this machine's "
-        "cores)", num_gpus, ", ".join(devices))
+        "No GPU visible: running the %d tower(s) on virtual CPU devices %s "
+        "(correct, but they share this machine's cores)", num_gpus,
+        ", ".join(devices))
     config = towers.virtual_cpu_config(
         num_gpus, log_device_placement=log_device_placement)
   check_devices(devices, config)
@@ -765,10 +845,12 @@ def run_main(argv: Sequence[str], call: Callable[[], object],
   flag, a training directory refused...) is logged as its one-line message
   and gives 1, not a traceback. Training stopped by a signal gives 128 + the
   signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a
-  process the signal killed.
+  process the signal killed. TensorFlow's own log lines are printed once,
+  in absl's format (`log_tensorflow_through_absl`).
   """
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  log_tensorflow_through_absl()
   try:
     call()
   except Interrupted as e:
@@ -777,6 +859,40 @@ def run_main(argv: Sequence[str], call: Callable[[], object],
     logging.error("%s", e)
     return 1
   return 0
+
+
+def log_tensorflow_through_absl() -> None:
+  """Has TensorFlow's Python log lines printed once, by absl's handler.
+
+  TensorFlow gives its logger a handler of its own (``INFO:tensorflow:...``
+  on stderr) when the logger is first used while the root logger has none:
+  at import, before ``app.run`` gives the root logger absl's. Its records
+  also reach absl's handler, so every line came out twice, in two formats.
+  This removes TensorFlow's handler once absl's is in place (in a script,
+  after ``app.run``); elsewhere it does nothing.
+  """
+  if logging.get_absl_handler() not in std_logging.getLogger().handlers:
+    return  # No absl handler to print TensorFlow's lines instead.
+  logger = tf.get_logger()
+  for handler in list(logger.handlers):
+    logger.removeHandler(handler)
+
+
+def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """Returns `dataset` with tf.data's autotuning model off.
+
+  The model's thread sleeps between its rounds, longer each time (up to 60
+  s once a pipeline has run for a minute or two), and a session closing
+  waits for it to wake up (TensorFlow 2.21: the iterator's destructor joins
+  it), so a finished run could sit silent for up to a minute after its
+  final checkpoint. Without the model there is no such thread; ``AUTOTUNE``
+  prefetch buffers are still sized by prefetch's own autotuner, and an
+  ``AUTOTUNE`` map runs as many calls at once as the machine has cores (at
+  most 16), the model's starting point.
+  """
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return dataset.with_options(options)
 
 
 class DownloadError(OSError):
@@ -821,7 +937,13 @@ def maybe_download(urls: Sequence[str], path: str,
                      "sha256=%r, md5=%r" % (path, sha256, md5))
   if os.path.exists(path):
     return path
-  created = make_dirs(os.path.dirname(path) or ".")
+  directory = os.path.dirname(path) or "."
+  try:
+    created = make_dirs(directory)
+  except OSError as e:
+    raise DownloadError("could not download %s: %s cannot be created (%s)"
+                        % (os.path.basename(path), directory,
+                           e.strerror or e)) from None
   part = path + ".part"
   errors = []
   try:

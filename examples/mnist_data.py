@@ -332,7 +332,9 @@ def train_dataset(images: IdxFile, labels: IdxFile, batch_size: int, *,
   batch, so N towers see N different batches per step and an epoch takes
   ``count / (batch_size * N)`` steps. Batches have the static size
   `batch_size` (the last, partial batch of the repeated stream never comes).
-  Build it, and its iterator, under ``tf.device(INPUT_DEVICE)``.
+  Build it, and its iterator, under ``tf.device(INPUT_DEVICE)``. Like the
+  other pipelines here it runs without tf.data's autotuning model, whose
+  thread a closing session waits for (`common.without_autotune`).
 
   Args:
     images, labels: from `find_split`.
@@ -346,7 +348,7 @@ def train_dataset(images: IdxFile, labels: IdxFile, batch_size: int, *,
   ds = ds.shuffle(shuffle_buffer or images.count, seed=seed,
                   reshuffle_each_iteration=True)
   ds = ds.repeat().batch(batch_size, drop_remainder=True)
-  return ds.map(_decode).prefetch(tf.data.AUTOTUNE)
+  return common.without_autotune(ds.map(_decode).prefetch(tf.data.AUTOTUNE))
 
 
 def eval_dataset(images: IdxFile, labels: IdxFile,
@@ -357,7 +359,8 @@ def eval_dataset(images: IdxFile, labels: IdxFile,
   so a pass over it counts exactly ``images.count`` examples.
   """
   ds = tf.data.Dataset.zip((_records(images), _records(labels)))
-  return ds.batch(batch_size).map(_decode).prefetch(tf.data.AUTOTUNE)
+  return common.without_autotune(
+      ds.batch(batch_size).map(_decode).prefetch(tf.data.AUTOTUNE))
 
 
 def fake_dataset(batch_size: int, seed: int = 0) -> tf.data.Dataset:
@@ -372,5 +375,6 @@ def fake_dataset(batch_size: int, seed: int = 0) -> tf.data.Dataset:
     labels = tf.random.stateless_uniform([batch_size], [seed, 2], 0,
                                          NUM_CLASSES, dtype=tf.int32)
     return images, labels
-  return tf.data.Dataset.range(1).map(make).cache().repeat().prefetch(
-      tf.data.AUTOTUNE)
+  return common.without_autotune(
+      tf.data.Dataset.range(1).map(make).cache().repeat().prefetch(
+          tf.data.AUTOTUNE))

@@ -23,6 +23,11 @@ import collections
 import os
 from typing import Optional, Sequence
 
+if __name__ == "__main__":
+  # Before TensorFlow loads: its C++ INFO and WARNING lines stay out of the
+  # log, unless the user chose a level (docs/examples.md, "The log").
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -82,7 +87,8 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
 
   Raises:
     common.FlagError: for an argument out of its `BOUNDS`, or a directory
-      that is a file.
+      `common.dir_problem` refuses (empty, a file, under a file, an event
+      directory that cannot be written).
     common.DeviceError: if this machine cannot run `num_gpus` towers.
     FileNotFoundError: with `run_once`, if there is no checkpoint.
     mnist_data.MissingDataError, mnist_data.IdxError: as `find_split`.
@@ -90,13 +96,14 @@ def evaluate(*, checkpoint_dir: str, data_dir: Optional[str] = None,
   """
   common.check_args(BOUNDS, num_gpus=num_gpus, batch_size=batch_size,
                     eval_interval_secs=eval_interval_secs)
-  for name, path in (("checkpoint_dir", checkpoint_dir),
-                     ("data_dir", data_dir), ("eval_dir", eval_dir)):
-    common.check_dir(name, path)
+  for name, path, kind in (("checkpoint_dir", checkpoint_dir, common.READ),
+                           ("data_dir", data_dir, common.READ),
+                           ("eval_dir", eval_dir, common.WRITTEN)):
+    common.check_dir(name, path, kind)
   if data_dir is None:
     data_dir = mnist_data.default_data_dir(dataset)
   if eval_dir is None:
-    eval_dir = os.path.join(checkpoint_dir, "eval")
+    eval_dir = common.check_default_eval_dir(checkpoint_dir)
   images_file, labels_file = mnist_data.find_split(data_dir, "test", dataset,
                                                    mirrors)
   devices, config = common.tower_setup(num_gpus)
@@ -180,8 +187,9 @@ def define_flags() -> None:
   flags.DEFINE_list("mirrors", list(mnist_data.MNIST_MIRRORS), "Base URLs "
                     "to download missing MNIST files from (comma "
                     "separated; empty for no download).")
-  common.register_flag_checks(
-      BOUNDS, directories=["checkpoint_dir", "data_dir", "eval_dir"])
+  common.register_flag_checks(BOUNDS, directories=dict(
+      checkpoint_dir=common.READ, data_dir=common.READ,
+      eval_dir=common.WRITTEN))
 
 
 def main(argv):

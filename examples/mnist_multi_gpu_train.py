@@ -42,9 +42,10 @@ run may resume in another mode. --pack_bytes (16384, towers' default; 0
 turns it off) has the gradients of at most that many bytes reduced in packs,
 in every mode and in a cluster: fewer transfers, the same results (bit for
 bit, but with --all_reduce=collective over 3 or more towers). A flag out of
-range (``--batch_size=0``, ``--pack_bytes=-1``), a --train_dir that is a
-file, or --all_reduce without --variable_device=replicated stops the script
-at once with one line naming the flag.
+range (``--batch_size=0``, ``--pack_bytes=-1``), a bad --train_dir (empty,
+a file, under a file, not writable), or --all_reduce without
+--variable_device=replicated stops the script at once with one line naming
+the flag.
 
 The fast paths (docs/examples.md, "Fast paths"): --precision=float16 or
 bfloat16 has the towers compute in that dtype on float32 master weights
@@ -74,7 +75,13 @@ resumes from it. Nothing there is deleted but the Saver's leftover
 
 import collections
 import contextlib
+import os
 from typing import Callable, Optional, Sequence, Union
+
+if __name__ == "__main__":
+  # Before TensorFlow loads: its C++ INFO and WARNING lines stay out of the
+  # log, unless the user chose a level (docs/examples.md, "The log").
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app
 from absl import flags
@@ -356,10 +363,12 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     The global step reached.
 
   Raises:
-    common.FlagError: for an argument out of its `BOUNDS`, a directory that
-      is a file, a `variable_device` and `all_reduce` combination that
-      cannot work (`common.check_variable_flags`), or a `precision` a
-      cluster cannot take (`common.check_precision`); common.DeviceError
+    common.FlagError: for an argument out of its `BOUNDS`, a directory
+      `common.dir_problem` refuses (empty, a file, under a file, a
+      `train_dir` that cannot be written), a `variable_device` and
+      `all_reduce` combination that cannot work
+      (`common.check_variable_flags`), or a `precision` a cluster cannot
+      take (`common.check_precision`); common.DeviceError
       (one) if a session lacks a tower device.
     traindir.TrainDirError: if `train_dir` is in use by another trainer, or
       holds checkpoints it cannot safely resume from (or that lack a
@@ -386,7 +395,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       startup_timeout_secs=startup_timeout_secs, pack_bytes=pack_bytes,
       step_timeout_secs=step_timeout_secs, stall_log_secs=stall_log_secs)
   common.check_dir("train_dir", train_dir)
-  common.check_dir("data_dir", data_dir)
+  common.check_dir("data_dir", data_dir, common.READ)
   distributed = bool(ps_hosts or worker_hosts)
   collective = distributed and not ps_hosts
   common.check_variable_flags(variable_device, all_reduce, distributed,
@@ -635,7 +644,10 @@ def define_flags() -> None:
   flags.DEFINE_list("mirrors", list(mnist_data.MNIST_MIRRORS), "Base URLs "
                     "to download missing MNIST files from (comma "
                     "separated; empty for no download).")
-  common.register_flag_checks(BOUNDS, directories=["train_dir", "data_dir"])
+  common.register_flag_checks(BOUNDS, directories=dict(
+      train_dir=common.WRITTEN, data_dir=common.READ))
+  # --help lists the main module's key flags: the shared ones count too.
+  flags.adopt_module_key_flags(common)
 
 
 def main(argv):

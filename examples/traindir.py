@@ -117,12 +117,22 @@ def prepare(train_dir: str, *, is_chief: bool = True) -> TrainDir:
     A `TrainDir` holding the lock; release it when training ends.
 
   Raises:
-    TrainDirError: as above, or if another trainer holds the lock.
+    TrainDirError: as above, if another trainer holds the lock, or if the
+      directory cannot be created or written.
   """
   if not is_chief:
     return TrainDir(TrainDirLock(None), latest_step(train_dir), None)
-  os.makedirs(train_dir, exist_ok=True)
-  lock = TrainDirLock(train_dir)
+  try:
+    os.makedirs(train_dir, exist_ok=True)
+    lock = TrainDirLock(train_dir)
+  except OSError as e:
+    # What the flag's checks cannot see: a read-only file system, a path
+    # changed since, a file system that refuses the lock.
+    raise TrainDirError(
+        "--train_dir=%s cannot be created or written (%s: %s): point it at "
+        "a directory you can write to"
+        % (train_dir, e.strerror or type(e).__name__,
+           e.filename or train_dir)) from None
   try:
     _remove_temp_dirs(train_dir)
     checkpoint, step = _latest_intact_checkpoint(train_dir)

@@ -26,7 +26,7 @@ import cifar10_eval
 import cifar10_model
 import cifar10_multi_gpu_train
 import common
-from test_mnist import MinimizeCalled, spy_on_minimize
+from test_mnist import MinimizeCalled, autotune_off, spy_on_minimize
 import towers
 import traindir
 
@@ -571,6 +571,17 @@ def test_learning_rate_falls_tenfold_every_350_epochs_of_examples():
   np.testing.assert_allclose(
       [rates[s] for s in sorted(rates)], [0.1, 0.1, 0.01, 0.01, 0.001],
       rtol=1e-6)
+
+
+def test_pipelines_run_without_tf_datas_autotuning_thread(data_dir):
+  # A closing session waits for that thread to wake, up to a minute after
+  # a long run (common.without_autotune).
+  train = cifar10_data.data_files(data_dir, train=True)
+  test = cifar10_data.data_files(data_dir, train=False)
+  assert autotune_off(lambda: cifar10_data.train_dataset(train, BATCH, 16))
+  assert autotune_off(lambda: cifar10_data.fake_train_dataset(BATCH))
+  assert autotune_off(lambda: cifar10_data.eval_dataset(test, BATCH,
+                                                        TEST_IMAGES))
 
 
 def test_input_stays_on_the_cpu_and_each_tower_on_its_device():

@@ -5,6 +5,7 @@ the reader the scripts use is the one under test; one end-to-end run uses the
 real MNIST files when they are present. Downloads only ever go to loopback.
 """
 
+import errno
 import functools
 import glob
 import gzip
@@ -24,6 +25,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
+from tensorflow.core.framework import dataset_options_pb2
 
 import common
 import mnist_data
@@ -154,6 +156,29 @@ def test_train_and_eval_pipelines_scale_pixels_alike(tmp_path):
   np.testing.assert_allclose(got_train, want, atol=1e-6)
   np.testing.assert_allclose(got_test, want, atol=1e-6)
   assert got_train.min() == -0.5 and got_train.max() == 0.5
+
+
+def autotune_off(make_dataset):
+  """Whether the pipeline `make_dataset()` builds has tf.data's autotuning
+  model off, in its graph's options (what the runtime reads)."""
+  with tf.Graph().as_default() as g:
+    make_dataset()
+  options = [dataset_options_pb2.Options.FromString(
+      op.get_attr("serialized_options")).autotune_options
+             for op in g.get_operations() if op.type == "OptionsDataset"]
+  return bool(options) and all(o.HasField("enabled") and not o.enabled
+                               for o in options)
+
+
+def test_pipelines_run_without_tf_datas_autotuning_thread(tiny_mnist):
+  # A closing session waits for that thread to wake, up to a minute after
+  # a long run (common.without_autotune).
+  train = mnist_data.find_split(tiny_mnist, "train", mirrors=())
+  test = mnist_data.find_split(tiny_mnist, "test", mirrors=())
+  assert autotune_off(lambda: mnist_data.train_dataset(*train, batch_size=4))
+  assert autotune_off(lambda: mnist_data.eval_dataset(*test, batch_size=4))
+  assert autotune_off(lambda: mnist_data.fake_dataset(batch_size=4))
+  assert not autotune_off(lambda: tf.data.Dataset.range(3).prefetch(1))
 
 
 def _corrupt(directory, case):
@@ -795,6 +820,18 @@ def test_tower_devices_the_session_lacks_are_a_clear_error(tmp_path,
   assert not os.path.exists(tmp_path / "train")
 
 
+def test_fewer_gpus_than_towers_are_a_clear_error(tmp_path, monkeypatch):
+  # As when CUDA_VISIBLE_DEVICES hides one of two GPUs.
+  gpus = [tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")]
+  monkeypatch.setattr(tf.config, "list_physical_devices",
+                      lambda kind=None: gpus if kind == "GPU" else [])
+  with pytest.raises(common.DeviceError, match=r"--num_gpus=2: 2 towers but "
+                     r"1 GPU\(s\) visible.*Build 1 towers"):
+    _train(str(tmp_path), str(tmp_path / "train"), max_steps=5,
+           fake_data=True)
+  assert not os.path.exists(tmp_path / "train")
+
+
 def _signal_at_step(step, signum, logs, done, timeout=120):
   """Sends `signum` to this process once `logs()` shows step `step`."""
   def send():
@@ -909,14 +946,191 @@ def test_a_second_signal_kills_at_once():
      "--precision=float16 needs loss scaling"),
 ])
 def test_scripts_refuse_a_bad_flag_in_one_line(tmp_path, script, flag, words):
+  _assert_refused_in_one_line(tmp_path, script, flag, words)
+
+
+def _assert_refused_in_one_line(tmp_path, script, flag, words, **paths):
+  """Runs `script` with `flag`: exit 1, one line holding `words`, no file.
+
+  `flag` and `words` may name {tmp} (holding the empty file "file") and
+  the `paths` given.
+  """
   (tmp_path / "file").write_text("")
-  args, env = _script(script, *flag.format(tmp=tmp_path).split())
+  paths = dict(paths, tmp=tmp_path)
+  args, env = _script(script, *flag.format(**paths).split())
   done = subprocess.run(args, env=env, capture_output=True, text=True,
                         timeout=120, cwd=str(tmp_path))
-  assert done.returncode == 1
-  assert words.format(tmp=tmp_path) in done.stderr
+  assert done.returncode == 1, done.stderr[-2000:]
+  lines = [line for line in done.stderr.splitlines()
+           if words.format(**paths) in line]
+  assert len(lines) == 1, done.stderr[-2000:]
   assert "Traceback" not in done.stderr
   assert os.listdir(str(tmp_path)) == ["file"]
+  return lines[0]
+
+
+def _unwritable_dir(tmp_path_factory):
+  """A directory this process cannot write to, or a skip.
+
+  A read-only one of its own; as root, who writes anywhere, /proc/sys (a
+  read-only mount).
+  """
+  if os.geteuid() != 0:
+    path = tmp_path_factory.mktemp("read_only")
+    path.chmod(0o555)
+    return str(path)
+  if not os.access("/proc/sys", os.W_OK):
+    return "/proc/sys"
+  pytest.skip("running as root, with no read-only directory to try")
+
+
+# Every way a directory flag can be wrong, in the scripts that have it: the
+# flag checks' line (absl's exit status 1), or for --checkpoint_dir's eval/
+# subdirectory, the evaluator's (its FlagError, also 1).
+@pytest.mark.parametrize("script,flag,words", [
+    ("mnist_multi_gpu_train.py", "--train_dir=",
+     "flag --train_dir=: is empty: name a directory, or leave the flag out"),
+    ("mnist_multi_gpu_train.py", "--train_dir={tmp}/file/sub",
+     "flag --train_dir={tmp}/file/sub: is under {tmp}/file, which is a "
+     "file: point it at a directory"),
+    ("mnist_multi_gpu_train.py", "--train_dir={ro}/sub",
+     "flag --train_dir={ro}/sub: cannot be created ({ro} is not writable): "
+     "point it at a directory you can write to"),
+    ("cifar10_multi_gpu_train.py", "--train_dir={ro}",
+     "flag --train_dir={ro}: is not writable"),
+    ("mnist_multi_gpu_train.py", "--data_dir={tmp}/file/sub",
+     "flag --data_dir={tmp}/file/sub: is under {tmp}/file"),
+    ("mnist_eval.py", "--checkpoint_dir={tmp}/file",
+     "flag --checkpoint_dir={tmp}/file: is a file, not a directory: point "
+     "it at a directory"),
+    ("mnist_eval.py", "--checkpoint_dir=",
+     "flag --checkpoint_dir=: is empty"),
+    ("cifar10_eval.py", "--checkpoint_dir={tmp}/file/sub",
+     "flag --checkpoint_dir={tmp}/file/sub: is under {tmp}/file"),
+    ("mnist_eval.py", "--checkpoint_dir={ro} --run_once",
+     "--checkpoint_dir={ro}: without --eval_dir the evaluation summaries go "
+     "to {ro}/eval, which cannot be created ({ro} is not writable): give "
+     "--eval_dir"),
+    ("cifar10_eval.py", "--eval_dir={tmp}/file",
+     "flag --eval_dir={tmp}/file: is a file, not a directory: point it at "
+     "a directory (it is created if absent)"),
+])
+def test_a_bad_directory_flag_is_one_line_naming_it(
+    tmp_path, tmp_path_factory, script, flag, words):
+  paths = {"ro": _unwritable_dir(tmp_path_factory)} if "{ro}" in flag else {}
+  line = _assert_refused_in_one_line(tmp_path, script, flag, words, **paths)
+  if "checkpoint_dir" in flag:  # Read, never created.
+    assert "created if absent" not in line
+
+
+def test_dir_problem_names_what_is_wrong_and_the_fix(tmp_path,
+                                                      tmp_path_factory):
+  (tmp_path / "file").write_text("")
+  problem = common.dir_problem
+  assert problem(None) is None  # An optional flag left out.
+  assert problem(str(tmp_path)) is None
+  assert problem(str(tmp_path / "new" / "deeper")) is None  # Created.
+  assert problem("") == ("is empty: name a directory, or leave the flag out "
+                         "for its default")
+  assert problem(str(tmp_path / "file")) == (
+      "is a file, not a directory: point it at a directory (it is created "
+      "if absent)")
+  assert problem(str(tmp_path / "file"), common.READ) == (
+      "is a file, not a directory: point it at a directory")
+  for kind in (common.WRITTEN, common.READ):
+    assert problem(str(tmp_path / "file" / "a" / "b"), kind) == (
+        "is under %s, which is a file: point it at a directory"
+        % (tmp_path / "file"))
+  # A dangling symbolic link is no directory either.
+  os.symlink(str(tmp_path / "gone"), str(tmp_path / "link"))
+  assert problem(str(tmp_path / "link")).startswith("is not a directory")
+  read_only = _unwritable_dir(tmp_path_factory)
+  assert problem(read_only) == ("is not writable: point it at a directory "
+                                "you can write to")
+  assert problem(os.path.join(read_only, "x")) == (
+      "cannot be created (%s is not writable): point it at a directory you "
+      "can write to" % read_only)
+  assert problem(read_only, common.READ) is None  # Only read.
+  with pytest.raises(common.FlagError, match=re.escape(
+      "--checkpoint_dir=%s: without --eval_dir the evaluation summaries go "
+      "to %s/eval, which cannot be created (%s is not writable): give "
+      "--eval_dir" % (read_only, read_only, read_only))):
+    common.check_default_eval_dir(read_only)
+
+
+def test_a_train_dir_that_cannot_be_created_is_one_error_naming_it(
+    tmp_path, monkeypatch):
+  # What the flag's checks cannot see, such as a read-only file system.
+  def makedirs(path, exist_ok=False):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+  monkeypatch.setattr(traindir.os, "makedirs", makedirs)
+  path = str(tmp_path / "train")
+  with pytest.raises(traindir.TrainDirError, match=re.escape(
+      "--train_dir=%s cannot be created or written (Read-only file system: "
+      "%s): point it at a directory you can write to" % (path, path))):
+    traindir.prepare(path)
+
+
+# The log: each line once (TensorFlow's Python lines through absl's handler
+# only, not through its own too), TensorFlow's C++ INFO and WARNING lines
+# off unless the user sets TF_CPP_MIN_LOG_LEVEL.
+
+# absl's prefix (a Python line) and TensorFlow's C++ one (a .cc file).
+ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ [\w.-]+\.py:\d+\] ")
+CPP_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ [\w.-]+\.cc:\d+\] ")
+
+
+def test_a_short_run_logs_each_line_once(tiny_mnist, tmp_path):
+  args, env = _script("mnist_multi_gpu_train.py", "--data_dir=" + tiny_mnist,
+                      "--train_dir=%s" % (tmp_path / "train"),
+                      "--num_gpus=2", "--batch_size=4", "--max_steps=3",
+                      "--log_frequency=1", "--mirrors=")
+  del env["TF_CPP_MIN_LOG_LEVEL"]  # The script's own default.
+  done = subprocess.run(args, env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  lines = [line for line in done.stderr.splitlines() if line.strip()]
+  assert [int(s) for s in LOG_LINE.findall(done.stderr)] == [1, 2, 3]
+  assert not any(line.startswith(("INFO:tensorflow:", "WARNING:tensorflow:"))
+                 for line in lines), done.stderr[-2000:]
+  # What TensorFlow's libraries print before its log level applies (each
+  # of its two libraries the same banners, oneDNN's and CUDA's absence, in
+  # C++): no setting hides them. After the script's first line, none.
+  first = next(i for i, line in enumerate(lines) if ABSL_PREFIX.match(line))
+  late = [line for line in lines[first:]
+          if CPP_LINE.match(line) and line[0] in "IW"]
+  assert not late, late
+  messages = [ABSL_PREFIX.sub("", line) for line in lines[first:]
+              if not CPP_LINE.match(line)]
+  repeated = sorted({m for m in messages if messages.count(m) > 1})
+  assert not repeated, done.stderr[-3000:]
+  assert any("Saving checkpoints for 3 into" in m for m in messages)
+
+
+# The flags each script defines itself, and those common.py defines for it.
+SHARED = ["xla", "stage_inputs", "variable_device", "all_reduce",
+          "pack_bytes"]
+
+
+@pytest.mark.parametrize("script,names", [
+    ("mnist_multi_gpu_train.py", ["train_dir", "ps_hosts", "precision"] +
+     SHARED),
+    ("cifar10_multi_gpu_train.py", ["train_dir", "use_fp16"] + SHARED),
+    ("mnist_eval.py", ["checkpoint_dir", "eval_dir", "run_once"]),
+    ("cifar10_eval.py", ["checkpoint_dir", "eval_dir", "num_examples"]),
+    ("launch_local_cluster.py", ["num_ps", "num_workers", "stop_grace_secs"]),
+])
+def test_help_lists_each_scripts_flags_the_shared_ones_included(
+    script, names):
+  args, env = _script(script, "--help")
+  done = subprocess.run(args, env=env, capture_output=True, text=True,
+                        timeout=120)
+  listed = set(re.findall(r"^  --(?:\[no\])?(\w+):", done.stdout, re.M))
+  for name in names:
+    assert name in listed, (name, done.stdout[-3000:])
+  # Only the script's own: absl's and TensorFlow's are --helpfull's.
+  assert "verbosity" not in listed
 
 
 # Replicated variables (--variable_device=replicated): checkpoints, eval,
