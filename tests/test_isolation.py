@@ -77,6 +77,24 @@ def _hand_regularized_model(total_loss):
   return model
 
 
+def _assert_one_device_gradient(model, decay):
+  """Checks the towers' averaged gradient of `model`'s one weight against
+  one device's, with `decay` times its L2 loss."""
+  with tf.Graph().as_default() as g:
+    x, y, inputs = _split(8)
+    w = tf.constant(np.ones((6, 3), np.float32))
+    want = tf.gradients(
+        tf.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w)) +
+        decay * tf.nn.l2_loss(w), w)[0]
+    t = towers.build_towers(model, _sgd(), 2, inputs=inputs,
+                            devices=devices(2))
+    [(grad, _)] = towers.average_gradients(t.tower_grads, t.weights)
+    with session(g) as sess:
+      sess.run(tf.global_variables_initializer())
+      got, want = sess.run([grad, want])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_towers_that_count_a_regularization_loss_unequally_are_refused():
   # Tower 0's scope holds the regularization loss, so summing the scope's
   # losses counts it in tower 0 only: measured 7% off.
@@ -97,19 +115,7 @@ def test_the_documented_regularization_is_shared_by_every_tower():
       lambda scope: tf.losses.get_total_loss(
           add_regularization_losses=False, scope=scope) +
       tf.losses.get_regularization_loss())
-  with tf.Graph().as_default() as g:
-    x, y, inputs = _split(8)
-    w = tf.constant(np.ones((6, 3), np.float32))
-    want = tf.gradients(
-        tf.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w)) +
-        DECAY * tf.nn.l2_loss(w), w)[0]
-    t = towers.build_towers(model, _sgd(), 2, inputs=inputs,
-                            devices=devices(2))
-    [(grad, _)] = towers.average_gradients(t.tower_grads, t.weights)
-    with session(g) as sess:
-      sess.run(tf.global_variables_initializer())
-      got, want = sess.run([grad, want])
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  _assert_one_device_gradient(model, DECAY)
 
 
 def _get_variable_regularized_model(total_loss, drop=False):
@@ -145,37 +151,14 @@ def test_weight_decay_with_the_fix_gives_the_single_device_gradient():
       lambda scope: tf.losses.get_total_loss(
           add_regularization_losses=False, scope=scope) +
       tf.losses.get_regularization_loss())
-  with tf.Graph().as_default() as g:
-    x, y, inputs = _split(8)
-    w = tf.constant(np.ones((6, 3), np.float32))
-    want = tf.gradients(
-        tf.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w)) +
-        DECAY * tf.nn.l2_loss(w), w)[0]
-    t = towers.build_towers(model, _sgd(), 2, inputs=inputs,
-                            devices=devices(2))
-    [(grad, _)] = towers.average_gradients(t.tower_grads, t.weights)
-    with session(g) as sess:
-      sess.run(tf.global_variables_initializer())
-      got, want = sess.run([grad, want])
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  _assert_one_device_gradient(model, DECAY)
 
 
 def test_weight_decay_taken_out_of_the_collection_is_left_out_on_purpose():
   # The documented way to train without a model's regularizers.
   model = _get_variable_regularized_model(
       lambda scope: tf.losses.get_total_loss(scope=scope), drop=True)
-  with tf.Graph().as_default() as g:
-    x, y, inputs = _split(8)
-    w = tf.constant(np.ones((6, 3), np.float32))
-    want = tf.gradients(
-        tf.losses.sparse_softmax_cross_entropy(y, tf.matmul(x, w)), w)[0]
-    t = towers.build_towers(model, _sgd(), 2, inputs=inputs,
-                            devices=devices(2))
-    [(grad, _)] = towers.average_gradients(t.tower_grads, t.weights)
-    with session(g) as sess:
-      sess.run(tf.global_variables_initializer())
-      got, want = sess.run([grad, want])
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  _assert_one_device_gradient(model, 0.0)
 
 
 def test_an_input_pipeline_built_inside_the_first_tower_may_be_shared():

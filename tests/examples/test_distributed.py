@@ -204,18 +204,26 @@ def _events(log_dir, name):
     return {w: float(t) for w, t in (line.split() for line in f)}
 
 
-def test_the_launcher_passes_a_signal_to_the_workers_then_stops_the_ps(
-    tmp_path):
+def _launch_stand_ins(tmp_path, task, *flags, output=True):
+  """The launcher with 1 ps and 2 workers running `task`'s code, logging
+  to tmp_path/log; its output piped as text, or dropped."""
   script = tmp_path / "task.py"
-  script.write_text(FAKE_TASK)
+  script.write_text(task)
   log_dir = tmp_path / "log"
   log_dir.mkdir()
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-  launcher = subprocess.Popen(
+  return subprocess.Popen(
       [sys.executable, os.path.join(EXAMPLES, "launch_local_cluster.py"),
-       "--num_ps=1", "--num_workers=2", "--script=%s" % script,
-       "--stop_grace_secs=2", "--", "--log_dir=%s" % log_dir],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+       "--num_ps=1", "--num_workers=2", "--script=%s" % script] +
+      list(flags) + ["--", "--log_dir=%s" % log_dir], env=env,
+      stdout=subprocess.PIPE if output else subprocess.DEVNULL,
+      stderr=subprocess.STDOUT if output else subprocess.DEVNULL, text=True)
+
+
+def test_the_launcher_passes_a_signal_to_the_workers_then_stops_the_ps(
+    tmp_path):
+  log_dir = tmp_path / "log"
+  launcher = _launch_stand_ins(tmp_path, FAKE_TASK, "--stop_grace_secs=2")
   try:
     _wait(lambda: all("started" in _events(str(log_dir), n)
                       for n in ("ps0", "worker0", "worker1")), 60,
@@ -257,15 +265,8 @@ while not os.path.exists(os.path.join(args["log_dir"], "finish")):
 
 def test_a_worker_killed_by_sigkill_gives_137_and_one_line_naming_it(
     tmp_path):
-  script = tmp_path / "task.py"
-  script.write_text(FINISHING_TASK)
   log_dir = tmp_path / "log"
-  log_dir.mkdir()
-  launcher = subprocess.Popen(
-      [sys.executable, os.path.join(EXAMPLES, "launch_local_cluster.py"),
-       "--num_ps=1", "--num_workers=2", "--script=%s" % script, "--",
-       "--log_dir=%s" % log_dir], stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
+  launcher = _launch_stand_ins(tmp_path, FINISHING_TASK)
   try:
     _wait(lambda: all("pid" in _events(str(log_dir), n)
                       for n in ("ps0", "worker0", "worker1")), 60,
@@ -534,15 +535,8 @@ def test_a_lost_parameter_server_is_recovered_or_stops_the_workers(
 
 
 def test_the_launchers_tasks_die_with_it_even_by_sigkill(tmp_path):
-  script = tmp_path / "task.py"
-  script.write_text(FAKE_TASK)
   log_dir = tmp_path / "log"
-  log_dir.mkdir()
-  launcher = subprocess.Popen(
-      [sys.executable, os.path.join(EXAMPLES, "launch_local_cluster.py"),
-       "--num_ps=1", "--num_workers=2", "--script=%s" % script, "--",
-       "--log_dir=%s" % log_dir], stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL)
+  launcher = _launch_stand_ins(tmp_path, FAKE_TASK, output=False)
   names = ("ps0", "worker0", "worker1")
   pids = []
   try:
