@@ -353,7 +353,9 @@ def _build(workload: workloads.Workload, variant: str, devices: List[str],
     built = towers.build_towers(model_fn, opt, num_towers,
                                 inputs=inputs, devices=devices,
                                 variable_device="replicated")
-    return opt.apply_gradients(
+    # Another optimizer than build_towers' (whose apply_gradients takes
+    # copy 0's pairs and updates every copy): it applies the pairs as given.
+    return tf.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM).apply_gradients(
         [pair for tower in built.tower_grads for pair in tower],
         global_step=global_step)
   if variant == ORIGINAL:

@@ -54,6 +54,16 @@ def devices(n):
   return ["/cpu:%d" % i for i in range(n)]
 
 
+def config(num=4, grappler=True):
+  """`num` virtual CPUs, under an operation timeout: a collective waiting for
+  a peer that never comes fails the test in seconds instead of hanging it."""
+  proto = towers.virtual_cpu_config(num)
+  proto.operation_timeout_in_ms = 30000
+  if not grappler:
+    proto.graph_options.rewrite_options.disable_meta_optimizer = True
+  return proto
+
+
 def session(graph, num_devices=4):
   return tf.Session(graph=graph,
                     config=towers.virtual_cpu_config(num_devices))

@@ -160,7 +160,11 @@ def test_each_update_waits_for_every_read_of_its_variable():
       ancestors = _ancestors(grad)
       assert all(loss.op in ancestors for loss in t.losses)
       if var.op.type != "VarHandleOp":
-        assert all(g.op in ancestors for gs in grads.values() for g in gs)
+        # Every gradient, or where it is a data part plus weight decay
+        # (summed apart, next to the variable), both its parts.
+        assert all(g.op in ancestors or all(i.op in ancestors
+                                            for i in g.op.inputs)
+                   for gs in grads.values() for g in gs)
         continue
       reads = [c for c in var.op.outputs[0].consumers() if c in step]
       assert len(reads) >= 3
@@ -168,7 +172,8 @@ def test_each_update_waits_for_every_read_of_its_variable():
     # The last layer's reduction does not wait for the first layer's
     # gradients, the last ones backprop computes.
     (last, _), = [p for p in averaged if p[1].op.name == "logits/b"]
-    first_layer = [g.op for g in grads["hidden/w"]]
+    # (Its gradients' parts: the data's and the weight decay's.)
+    first_layer = [i.op for g in grads["hidden/w"] for i in g.op.inputs]
     waits_for_all = all(op in _ancestors(last) for op in first_layer)
     assert waits_for_all == (averaged[0][1].op.type != "VarHandleOp")
 

@@ -12,10 +12,10 @@ import towers
 
 def test_public_surface_is_pinned():
   assert sorted(towers.__all__) == [
-      "GradsAndVars", "TowerContext", "Towers", "average_gradients",
-      "batch_normalization", "broadcast_variables", "build_towers", "infer",
-      "minimize",
-      "tower_context", "tower_devices", "virtual_cpu_config"]
+      "GradsAndVars", "TowerContext", "Towers", "apply_gradients",
+      "average_gradients", "batch_normalization", "broadcast_variables",
+      "build_towers", "infer", "minimize", "tower_context", "tower_devices",
+      "virtual_cpu_config"]
   public = {name for name in vars(towers) if not name.startswith("_")}
   assert public == set(towers.__all__)
   assert isinstance(towers.__version__, str)

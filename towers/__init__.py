@@ -1,5 +1,6 @@
 """In-graph multi-GPU data parallelism for TensorFlow 1.x-style graphs."""
 
+from towers._apply import apply_gradients
 from towers._batch_norm import batch_normalization
 from towers._broadcast import broadcast_variables
 from towers._context import tower_context
@@ -19,6 +20,7 @@ __all__ = [
     "GradsAndVars",
     "TowerContext",
     "Towers",
+    "apply_gradients",
     "average_gradients",
     "batch_normalization",
     "broadcast_variables",

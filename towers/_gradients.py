@@ -8,6 +8,7 @@ import tensorflow.compat.v1 as tf
 from towers import _allreduce
 from towers import _context
 from towers import _packing
+from towers import _regularization
 from towers import _replicas
 from towers import _workers
 
@@ -37,12 +38,10 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
 
   Towers built with ``variable_device="replicated"`` list their own copies
   of the variables. Their dense gradients are all-reduced by `all_reduce`,
-  so each copy gets the average on its own device, and the result holds
-  every copy's pair: copy 0's first (``num_vars`` pairs, single-device
-  names), then copy 1's, and so on; one ``opt.apply_gradients`` call on it
-  is one step (`minimize` applies it so that the copies' slots stay out of
-  checkpoints). Sparse gradients are gathered on copy 0's device (kept
-  sparse) and that one ``tf.IndexedSlices`` goes to every copy.
+  so each copy gets the average on its own device; the result is copy 0's
+  pairs (single-device names), which `apply_gradients` applies to every
+  copy. Sparse gradients are gathered on copy 0's device (kept sparse) and
+  that one ``tf.IndexedSlices`` goes to every copy.
 
   In the graph of one of several workers (towers built with
   ``num_workers > 1``), the all-reduce's group holds every tower of every
@@ -94,9 +93,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
 
   Returns:
     ``[num_vars]`` of ``(grad, var)`` in the first tower's order, with the
-    first tower's variables, followed for replicated towers by the other
-    copies' pairs. A variable whose gradient is None in every tower stays
-    ``(None, var)``.
+    first tower's variables (copy 0's, when replicated). A variable whose
+    gradient is None in every tower stays ``(None, var)``.
 
   Raises:
     ValueError: if `tower_grads` is empty, the towers' variable lists differ
@@ -107,13 +105,31 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
     TypeError: if an entry is not a ``(grad, var)`` pair, a gradient is not
       a tensor, ``tf.IndexedSlices`` or None, or `pack_bytes` is not an int.
   """
-  groups = average_per_copy(tower_grads, weights, device=device,
-                            control_inputs=control_inputs,
-                            all_reduce=all_reduce, pack_bytes=pack_bytes)
-  return [pair for group in groups for pair in group]
+  groups = _average_per_copy(tower_grads, weights, device=device,
+                             control_inputs=control_inputs,
+                             all_reduce=all_reduce, pack_bytes=pack_bytes)
+  _record_copies(groups)
+  return groups[0]
 
 
-def average_per_copy(tower_grads: Sequence[GradsAndVars],
+def _record_copies(groups: List[GradsAndVars]) -> None:
+  """Records each other copy's averaged gradients for `apply_gradients`."""
+  if len(groups) == 1:
+    return
+  first = {id(v): g for g, v in groups[0]}
+  recorded = []
+  for index, group in enumerate(groups[1:], 1):
+    for grad, copy in group:
+      primary = _replicas.primary_of(copy)
+      grad0 = first.get(id(primary[0])) if primary else None
+      # Sparse gradients and add_n's are one tensor for every copy.
+      if isinstance(grad, tf.Tensor) and grad is not grad0 and \
+          isinstance(grad0, tf.Tensor):
+        recorded.append((grad0, index, grad))
+  _replicas.record_averaged(recorded)
+
+
+def _average_per_copy(tower_grads: Sequence[GradsAndVars],
                      weights: Optional[Sequence[Weight]] = None,
                      *,
                      device: Optional[str] = None,
@@ -133,7 +149,9 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
   replicated = [pairs for pairs in zip(*tower_grads)
                 if any(p[1] is not pairs[0][1] for p in pairs)]
   algorithm = _algorithm(replicated, all_reduce, device, len(tower_grads))
-  flat = [t for tower in tower_grads for g, _ in tower for t in _tensors(g)]
+  tower_grads, decay = _without_weight_decay(tower_grads)
+  flat = [t for tower in tower_grads for g, _ in tower for t in tensors(g)]
+  flat += [t for parts in decay.values() for part in parts for t in part]
   flat += list(control_inputs)
   positions = [_Position(pairs, device, algorithm)
                for pairs in zip(*tower_grads)]
@@ -166,12 +184,74 @@ def average_per_copy(tower_grads: Sequence[GradsAndVars],
         for index, results in zip(unit, _average_pack(
             members, weights, uniform, waits, launched)):
           averaged[index] = results
+    for i, parts in decay.items():
+      averaged[i] = _add_weight_decay(averaged[i], parts, positions[i],
+                                      weights, uniform)
   groups: List[GradsAndVars] = [[] for _ in tower_grads]
   for i, position in enumerate(positions):
     copies = position.variables[:1] if position.shared else position.variables
     for j, var in enumerate(copies):
       groups[j].append((averaged[i][j], var))
   return [group for group in groups if group]
+
+
+def _without_weight_decay(tower_grads: Sequence[GradsAndVars]):
+  """Returns the towers' pairs with the data part where every tower's
+  gradient is a data part plus weight decay next to the variable (copy 0,
+  when replicated), and {position: [num_towers] weight-decay parts}.
+
+  A replicated tower's weight decay on its own copy stays in its gradient:
+  summed next to copy 0, it would cross to copy 0 and back.
+  """
+  decay: Dict[int, List[List[tf.Tensor]]] = {}
+  data: Dict[Tuple[int, int], tf.Tensor] = {}
+  for i, pairs in enumerate(zip(*tower_grads)):
+    split = [_regularization.parts(g) for g, _ in pairs]
+    home = pairs[0][1].device
+    if all(parts is not None and all(t.device == home for t in parts[1])
+           for parts in split):
+      decay[i] = [parts[1] for parts in split if parts is not None]
+      data.update(((j, i), parts[0]) for j, parts in enumerate(split)
+                  if parts is not None)
+  if not decay:
+    return tower_grads, decay
+  return [[(data.get((j, i), g), v) for i, (g, v) in enumerate(tower)]
+          for j, tower in enumerate(tower_grads)], decay
+
+
+def _add_weight_decay(results: List[Optional[Gradient]],
+                      parts: List[List[tf.Tensor]], position: "_Position",
+                      weights: List[Weight], uniform: bool
+                     ) -> List[Optional[Gradient]]:
+  """Adds the towers' weight-decay parts, averaged next to the variable, to
+  each averaged data part, there (next to each copy, when replicated)."""
+  with tf.device(position.variables[0].device), tf.name_scope("weight_decay"):
+    per_tower = [_sum_in_order(p) for p in parts]
+    if not uniform:
+      per_tower = [_scaled(t, w) for t, w in zip(per_tower, weights)]
+    total = _opaque(_combine(per_tower, _sum_in_order, uniform))
+  homes = position.variables[:1] if position.shared else position.variables
+  done: Dict[int, Gradient] = {}
+  for result, var in zip(results, homes):
+    if id(result) not in done:
+      with tf.device(var.device):
+        done[id(result)] = tf.add(_opaque(tf.convert_to_tensor(result)),
+                                  total)
+  return [done[id(result)] for result in results]
+
+
+def _opaque(tensor: tf.Tensor) -> tf.Tensor:
+  """`tensor`, as an input of an addition that Grappler leaves alone.
+
+  Grappler's arithmetic optimizer rewrites a tree of additions as one
+  ``AddN``, its inputs sorted by name: an addition whose input is itself a
+  sum (of weighted gradients) would join that sum's tree, and the order of
+  its additions would follow op names, differently for a pack's sum and an
+  unpacked one. A ``Snapshot`` between them keeps the trees apart.
+  """
+  if tensor.op.type in ("Add", "AddV2", "AddN"):
+    return tf.raw_ops.Snapshot(input=tensor)
+  return tensor
 
 
 class _Position:
@@ -331,7 +411,7 @@ def _algorithm(replicated, all_reduce: Optional[str], device: Optional[str],
   return algorithm
 
 
-def _tensors(grad: Optional[Gradient]) -> List[tf.Tensor]:
+def tensors(grad: Optional[Gradient]) -> List[tf.Tensor]:
   if grad is None:
     return []
   if isinstance(grad, tf.IndexedSlices):

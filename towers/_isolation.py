@@ -68,19 +68,19 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
   # Each walk covers one tower's part of the graph, so checking N towers
   # costs about one pass over the graph, not N.
   sources = [op for op in tf.get_default_graph().get_operations()
-             if _is_source(op)]
+             if is_source(op)]
   owners: Dict[tf.Operation, List[int]] = collections.defaultdict(list)
   for j, (scope, batch) in enumerate(zip(scopes, batches)):
     starts = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
     starts += [t for op in sources if op.name.startswith(scope)
                for t in op.outputs]
-    for op in _descendants(starts):
+    for op in descendants(starts):
       owners[op].append(j)
   regularization = _regularization_keys(
       tf.get_collection(tf.GraphKeys.REGULARIZATION_LOSSES))
   reached_regularization: List[Set[object]] = []
   for i, (loss, scope) in enumerate(zip(losses, scopes)):
-    reached = _ancestors(loss.op)
+    reached = ancestors(loss.op)
     foreign = [(op, j) for op in reached for j in owners.get(op, ())
                if j != i]
     if foreign:
@@ -161,7 +161,7 @@ def _crosses(tensor: tf.Tensor) -> bool:
   return not (dtype == tf.resource or dtype._is_ref_dtype)  # pylint: disable=protected-access
 
 
-def _ancestors(start: tf.Operation) -> List[tf.Operation]:
+def ancestors(start: tf.Operation) -> List[tf.Operation]:
   """Ops whose values `start` is computed from, nearest first (BFS)."""
   seen = {start}
   order = [start]
@@ -176,7 +176,7 @@ def _ancestors(start: tf.Operation) -> List[tf.Operation]:
   return order
 
 
-def _is_source(op: tf.Operation) -> bool:
+def is_source(op: tf.Operation) -> bool:
   """Whether `op` brings data in: a placeholder or a stateful op that does
   not just read a variable (an iterator, a queue, a random number)."""
   if op.type in ("Placeholder", "PlaceholderV2", "PlaceholderWithDefault"):
@@ -186,7 +186,7 @@ def _is_source(op: tf.Operation) -> bool:
   return bool(op.op_def is not None and op.op_def.is_stateful)
 
 
-def _descendants(tensors: List[tf.Tensor]) -> Set[tf.Operation]:
+def descendants(tensors: List[tf.Tensor]) -> Set[tf.Operation]:
   """Ops computed from `tensors`."""
   seen: Set[tf.Operation] = set()
   queue = collections.deque(t for t in tensors if _crosses(t))

@@ -2,14 +2,14 @@
 
 Small float16 gradients underflow to zero. Multiplying each tower's loss by
 the loss scale before its gradients scales every intermediate gradient too;
-after the towers' gradients are averaged, each copy's are divided by the
-scale once, on the device that holds them, and checked finite there. Only
-one boolean per device crosses to the step: a step whose gradients are not
-all finite applies nothing (no variable, copy, slot or ``global_step``
-changes). The dynamic scale halves after such a step and doubles after
-`GROWTH_STEPS` finite ones in a row (the defaults of TensorFlow's
-``DynamicLossScale``); it is a saved variable, so a resumed run goes on with
-the scale it had.
+after the towers' gradients are averaged, they are divided by the scale
+once, on the device that holds them (each copy's on its own), and checked
+finite there. Only one boolean per device crosses to the step: a step whose
+gradients are not all finite applies nothing (no variable, copy, slot or
+``global_step`` changes). The dynamic scale halves after such a step and
+doubles after `GROWTH_STEPS` finite ones in a row (the defaults of
+TensorFlow's ``DynamicLossScale``); it is a saved variable, so a resumed run
+goes on with the scale it had.
 
 TensorFlow's ``MixedPrecisionLossScaleOptimizer`` does the same inside the
 optimizer, but it unscales in every tower and checks every replicated copy's
@@ -116,29 +116,23 @@ class LossScale:
     wide = tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32
     return tf.cast(loss, wide) * tf.cast(self.value, wide)
 
-  def unscale(self, groups: List[_gradients.GradsAndVars]
-              ) -> Tuple[List[_gradients.GradsAndVars], tf.Tensor]:
-    """Divides every copy's gradients by the scale; checks them finite.
+  def unscale(self, grads_and_vars: _gradients.GradsAndVars
+              ) -> Tuple[_gradients.GradsAndVars, tf.Tensor]:
+    """Divides the averaged gradients by the scale; checks them finite.
 
     Each gradient is unscaled and checked next to itself, the checks of one
-    device are reduced there, and the devices' booleans are combined.
-    Copies given the same tensor (``all_reduce='add_n'``) share its result.
+    device are reduced there, and the devices' booleans are combined. Copy
+    0's pairs stand for every copy: `apply_gradients` unscales the others
+    on their own devices, and their gradients are bitwise copy 0's.
 
     Returns:
-      ``(groups, finite)``: the unscaled ``[num_copies][num_vars]`` pairs,
-      and a scalar bool, whether all of them are finite.
+      ``(grads_and_vars, finite)``: the unscaled pairs, and a scalar bool,
+      whether all of them are finite.
     """
-    done: Dict[int, _gradients.Gradient] = {}
     checks: Dict[str, List[tf.Tensor]] = {}
     inverse = 1.0 / self.value
-    result = []
-    for group in groups:
-      pairs = []
-      for grad, var in group:
-        if grad is not None and id(grad) not in done:
-          done[id(grad)] = _unscale(grad, inverse, checks)
-        pairs.append((None if grad is None else done[id(grad)], var))
-      result.append(pairs)
+    result = [(None if grad is None else _unscale(grad, inverse, checks), var)
+              for grad, var in grads_and_vars]
     flags = []
     for device, device_checks in checks.items():
       with tf.device(device):

@@ -25,6 +25,8 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import tensorflow.compat.v1 as tf
 
+from towers import _replay
+
 PREFIX = "replica_%d/"
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
@@ -35,6 +37,11 @@ _REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Per graph: (local variable, the global variable it is set from): the
 # copies and their optimizer slots.
 _SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per graph: copy index -> {name of copy 0's averaged gradient: the copy's}.
+_AVERAGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per graph: the id of the last op that existed when gradients were first
+# averaged; what the averaged gradients go through was made after it.
+_AVERAGED_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def sources() -> List[Tuple[tf.Variable, tf.Variable]]:
@@ -110,6 +117,49 @@ def _copy(next_getter, primary: tf.Variable, index: int,
   by_primary[(primary.op.name, index)] = copy
   _SOURCES.setdefault(copy.graph, []).append((copy, primary))
   return copy
+
+
+def copies_of(var: tf.Variable) -> List[tf.Variable]:
+  """Returns copies ``1..N-1`` of `var` (copy 0), or ``[]`` if it has none."""
+  copies: List[tf.Variable] = []
+  while True:
+    copy = copy_of(var, len(copies) + 1)
+    if copy is None:
+      return copies
+    copies.append(copy)
+
+
+def record_averaged(pairs: List[Tuple[tf.Tensor, int, tf.Tensor]]) -> None:
+  """Records averaged gradients: ``(copy 0's, index, copy index's)`` for
+  each copy's that is a tensor of its own, on the copy's device."""
+  graph = tf.get_default_graph()
+  if graph not in _AVERAGED_AT:
+    _AVERAGED_AT[graph] = _replay.last_op_id()
+  table = _AVERAGED.setdefault(graph, {})
+  for grad, index, copy_grad in pairs:
+    table.setdefault(index, {})[grad.name] = copy_grad
+
+
+def averaged_at() -> int:
+  """The id of the last op that existed when gradients were first averaged
+  (their transformation comes after it); without an average, the last op's."""
+  return _AVERAGED_AT.get(tf.get_default_graph()) or _replay.last_op_id()
+
+
+def stand_ins(index: int) -> Dict[str, tf.Tensor]:
+  """What copy `index` uses where copy 0 uses a tensor: tensor name -> the
+  copy's tensor, for the averaged gradients and the variables' own tensors
+  (a resource handle; a ref variable and its snapshot)."""
+  graph = tf.get_default_graph()
+  result = dict(_AVERAGED.get(graph, {}).get(index, {}))
+  for (_, i), copy in _tables(graph)[1].items():
+    if i != index:
+      continue
+    primary = _tables(graph)[0][copy.op.name][0]
+    result[primary.op.outputs[0].name] = copy.op.outputs[0]
+    if primary.op.type != "VarHandleOp":
+      result[primary.value().name] = copy.value()
+  return result
 
 
 def tower_gradients(opt: tf.train.Optimizer, loss: tf.Tensor,
@@ -191,8 +241,9 @@ def local_slots() -> Iterator[None]:
       if slot is None:
         raise ValueError(
             "replicated mode: the optimizer created %s for a copy but copy "
-            "0 has no %s; apply the gradients with towers.minimize, once "
-            "per step, with copy 0's pairs first" % (name, slot_name))
+            "0 has no %s; apply copy 0's pairs (average_gradients' result) "
+            "with opt.apply_gradients or towers.apply_gradients, once per "
+            "step" % (name, slot_name))
       kwargs["initial_value"] = slot.read_value
       kwargs["collections"] = [tf.GraphKeys.LOCAL_VARIABLES]
       kwargs["trainable"] = False

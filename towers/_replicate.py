@@ -7,6 +7,7 @@ from typing import Callable, List, Optional, Sequence
 import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
+from towers import _apply
 from towers import _context
 from towers import _device_check
 from towers import _devices
@@ -15,6 +16,8 @@ from towers import _inputs
 from towers import _isolation
 from towers import _placement
 from towers import _precision
+from towers import _regularization
+from towers import _replay
 from towers import _replicas
 from towers import _staging
 from towers import _workers
@@ -90,7 +93,10 @@ def build_towers(model_fn: Callable[..., object],
   It does not average or apply the gradients (use `average_gradients` and
   ``opt.apply_gradients``, or `minimize`), and it leaves the caller's
   variable scope as it found it, not reusing, so optimizer slots and
-  ``tf.train.ExponentialMovingAverage`` can be created afterwards.
+  ``tf.train.ExponentialMovingAverage`` can be created afterwards. It makes
+  ``opt.apply_gradients`` (on this `opt`) `apply_gradients`, which updates
+  every replicated copy. A loss term computed from variables alone (weight
+  decay) and its gradient run next to those variables.
 
   Args:
     model_fn: called as ``model_fn(scope, *batch)`` in each tower; returns the
@@ -120,7 +126,7 @@ def build_towers(model_fn: Callable[..., object],
       ``i`` is ``replica_<i>/<name>``, a local variable set from copy 0 by
       the local init op (after initialization or a restore). Non-trainable
       variables (batch-norm statistics) keep one copy, on the first tower's
-      device. Train replicated towers with `minimize`.
+      device.
     tower_name: the prefix of the towers' name scopes.
     all_reduce: for ``variable_device='replicated'``, how the copies' gradients
       are summed: ``'add_n'`` (on the first tower's device, every copy reads
@@ -206,6 +212,8 @@ def build_towers(model_fn: Callable[..., object],
   compute_gradients_kwargs.setdefault("gate_gradients",
                                       tf.train.Optimizer.GATE_NONE)
   replicated = _check_replicated(variable_device, all_reduce, opt)
+  # The seed's opt.apply_gradients(...) then updates every copy.
+  _apply.route(opt)
   if num_workers != 1:
     mine = _check_devices(devices, num_gpus)
     num_workers = _workers.check(num_workers, mine, replicated, all_reduce)
@@ -217,6 +225,8 @@ def build_towers(model_fn: Callable[..., object],
 
   def tower(index, scope, batch, check):
     loss, output = _check_result(model_fn(scope, *batch), scope)
+    # Weight decay's ops next to their variables, not on the tower.
+    terms = _regularization.place(loss, batch, scope)
     # The gradients, and so every reduction of them, wait for the check.
     _device_check.gate(loss, check)
     # Tower 0's batch-norm updates stand for all (tf-slim's choice): running
@@ -226,6 +236,7 @@ def build_towers(model_fn: Callable[..., object],
     # Only the final tower's summaries are kept: the towers' would share
     # tags once the tower prefix is stripped.
     summaries = tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
+    start = _replay.last_op_id()
     if index > 0 and replicated:
       kwargs = dict(compute_gradients_kwargs)
       kwargs.pop("var_list", None)
@@ -234,6 +245,7 @@ def build_towers(model_fn: Callable[..., object],
     else:
       grads = opt.compute_gradients(loss, **compute_gradients_kwargs)
       first_vars.extend(v for _, v in grads)
+    _regularization.split(grads, start, terms)
     return loss, output, grads, update_ops, summaries
 
   regularization = tf.get_collection_ref(tf.GraphKeys.REGULARIZATION_LOSSES)

@@ -4,11 +4,11 @@ from typing import Callable, Optional, Tuple
 
 import tensorflow.compat.v1 as tf
 
+from towers import _apply
 from towers import _gradients
 from towers import _loss_scale
 from towers import _packing
 from towers import _precision
-from towers import _replicas
 from towers import _replicate
 
 
@@ -24,11 +24,11 @@ def minimize(model_fn: Callable[..., object],
              **build_towers_kwargs) -> Tuple[tf.Operation, _replicate.Towers]:
   """Builds the towers and one synchronous training step over all of them.
 
-  The step averages the towers' gradients with their weights (see
-  `average_gradients`), optionally clips the averaged gradients by their
+  The seed's step in one call: `build_towers`, `average_gradients` with the
+  towers' weights, optionally a clip of the averaged gradients by their
   global norm (after averaging: the norm of the update is what matters),
-  applies them once with ``opt.apply_gradients`` outside the towers' reuse
-  scope (so optimizer slots are created normally). The averaged gradients
+  then `apply_gradients` once, outside the towers' reuse scope (so
+  optimizer slots are created normally). The averaged gradients
   also wait for the first tower's update ops and every tower's loss, so the
   update ops run with each step and a loss fetched with the step is the loss
   before the update.
@@ -61,9 +61,7 @@ def minimize(model_fn: Callable[..., object],
       ``devices``, ``variable_device``, ``all_reduce``, ``compute_dtype``,
       ``stage_inputs``, ``num_workers``, ``compute_gradients`` arguments).
       Replicated towers (``variable_device='replicated'``) are all-reduced
-      with their ``all_reduce``; the one ``apply_gradients`` updates every
-      copy, and the copies' optimizer slots, like the copies,
-      are local variables set from copy 0's by the local init op.
+      with their ``all_reduce``, and `apply_gradients` updates every copy.
 
   Returns:
     ``(train_op, towers)``: the training op and the `Towers` built, with
@@ -91,50 +89,30 @@ def minimize(model_fn: Callable[..., object],
   # SyncReplicasOptimizer build queues inside apply_gradients, and a queue
   # that depended on the towers would pull an input batch whenever its queue
   # runner touched it.
-  groups = _gradients.average_per_copy(
+  grads = _gradients.average_gradients(
       towers.tower_grads, towers.weights, device=average_device,
       control_inputs=list(towers.update_ops) + towers.losses,
       all_reduce=towers.all_reduce, pack_bytes=pack_bytes)
-  if all(g is None for g, _ in groups[0]):
+  if all(g is None for g, _ in grads):
     raise ValueError(
         "no variable has a gradient: none of %s reaches the towers' loss"
-        % ", ".join(v.name for _, v in groups[0]))
+        % ", ".join(v.name for _, v in grads))
   if scale is not None:
-    groups, finite = scale.unscale(groups)
+    grads, finite = scale.unscale(grads)
   if clip_norm is not None:
-    groups = _clip_per_copy(groups, clip_norm)
+    grads = _clip_by_global_norm(grads, clip_norm)
+  # What apply_gradients does, with every copy's gradients built before a
+  # loss scale's condition, so that only the update is conditional.
+  groups = _apply.per_copy(grads)
 
   def apply() -> tf.Operation:
-    # One apply for every copy: optimizers with state of their own (Adam's
-    # beta powers, the global step) advance once per step, not per copy.
-    with _replicas.local_slots():
-      return opt.apply_gradients([p for group in groups for p in group],
-                                 global_step=global_step)
+    return _apply.apply_per_copy(_apply.original_apply(opt), groups,
+                                 global_step, None)
 
   train_op = apply() if scale is None else scale.apply(finite, apply)
   return train_op, towers._replace(
-      grads_and_vars=groups[0],
+      grads_and_vars=grads,
       loss_scale=None if scale is None else scale.value)
-
-
-def _clip_per_copy(groups, clip_norm: float):
-  """Clips each copy's gradients by their global norm, on its device.
-
-  Copies given the same tensors (``"add_n"``) share one clipping, so their
-  update stays bitwise the one-copy mode's.
-  """
-  first = groups[0]
-  clipped = [_clip_by_global_norm(first, clip_norm)]
-  originals = {id(g): c for (g, _), (c, _) in zip(first, clipped[0])
-               if g is not None}
-  for group in groups[1:]:
-    if all(g is None or id(g) in originals for g, _ in group):
-      clipped.append([(None if g is None else originals[id(g)], v)
-                      for g, v in group])
-      continue
-    with tf.device(group[0][1].device):
-      clipped.append(_clip_by_global_norm(group, clip_norm))
-  return clipped
 
 
 def _clip_by_global_norm(grads_and_vars: _gradients.GradsAndVars,

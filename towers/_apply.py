@@ -1,0 +1,200 @@
+"""Applying the averaged gradients once: to the variables and every copy.
+
+The seed's step ends with ``opt.apply_gradients`` on the averaged pairs, which
+are copy 0's (single-device) pairs in every mode. With replicated towers the
+other copies must take the same update, each on its own device: whatever the
+pairs went through after `average_gradients` (clipping by global norm,
+scaling, filtering) is built again from that copy's averaged gradients
+(`_replay`), and one ``apply_gradients`` call updates every copy, so that an
+optimizer's own state (Adam's beta powers, the global step) advances once.
+
+An optimizer that makes its update itself (Google BERT's
+``AdamWeightDecayOptimizer`` computes Adam with plain ops and makes its ``m``
+and ``v`` with ``tf.get_variable``) would leave that arithmetic and state
+wherever the session puts unplaced ops, GPU 0 for every copy. Here an op the
+optimizer makes without a device goes next to the variable it serves: a
+variable to the variable its name extends (``<var>/adam_m``), another op to
+the device of an input that belongs to a variable's update.
+"""
+
+import contextlib
+import functools
+from typing import Callable, Dict, Iterator, List, Optional
+
+import tensorflow.compat.v1 as tf
+
+from towers import _gradients
+from towers import _placement
+from towers import _replay
+from towers import _replicas
+
+# Where a routed apply_gradients keeps the optimizer's own.
+_ORIGINAL = "_towers_original_apply_gradients"
+
+
+def apply_gradients(opt: tf.train.Optimizer,
+                    grads_and_vars: _gradients.GradsAndVars,
+                    global_step: Optional[tf.Variable] = None,
+                    name: Optional[str] = None) -> tf.Operation:
+  """Applies averaged gradients once, to the variables and all their copies.
+
+  ``opt.apply_gradients`` for towers, and what it is after `build_towers`
+  (which routes its `opt`'s own method here). `grads_and_vars` are copy 0's
+  pairs, as `average_gradients` returns them, after any change a single
+  device would make (clipping, scaling, filtering). For replicated towers
+  every other copy gets the same update on its own device: what the pairs
+  went through since `average_gradients` is built again there from that
+  copy's averaged gradients (with ``'add_n'`` every copy reads copy 0's).
+  The copies' optimizer variables (slots, or variables named
+  ``<copy>/...``) are local variables set from copy 0's, so checkpoints keep
+  the single-device keys; ops the optimizer leaves unplaced run next to the
+  variable they update.
+
+  Args:
+    opt: a ``tf.compat.v1.train.Optimizer``.
+    grads_and_vars: ``[num_vars]`` of ``(grad, var)`` over copy 0's variables.
+    global_step: passed to ``opt.apply_gradients``.
+    name: passed to ``opt.apply_gradients``.
+
+  Returns:
+    The op ``opt.apply_gradients`` returns.
+
+  Raises:
+    TypeError: if `opt` cannot apply gradients or an entry is not a pair.
+    ValueError: if a pair names a copy other than copy 0, or the pairs went
+      through an op that cannot run once per copy (side effects, a loop).
+  """
+  if not callable(getattr(opt, "apply_gradients", None)):
+    raise TypeError("expected opt to be a tf.compat.v1.train.Optimizer, got "
+                    "%r" % (opt,))
+  return _apply(original_apply(opt), grads_and_vars, global_step, name)
+
+
+def route(opt: tf.train.Optimizer) -> None:
+  """Makes ``opt.apply_gradients``, on this instance, `apply_gradients`."""
+  if getattr(opt.apply_gradients, _ORIGINAL, None) is not None:
+    return
+  original = opt.apply_gradients
+
+  @functools.wraps(original)
+  def routed(grads_and_vars, global_step=None, name=None):
+    return _apply(original, grads_and_vars, global_step, name)
+
+  setattr(routed, _ORIGINAL, original)
+  opt.apply_gradients = routed
+
+
+def per_copy(grads_and_vars: _gradients.GradsAndVars
+            ) -> List[_gradients.GradsAndVars]:
+  """Returns ``[num_copies]`` pair lists: `grads_and_vars`, then each other
+  copy's pairs (its copied variables only), computed on its device."""
+  pairs = _checked(grads_and_vars)
+  copies = [_replicas.copies_of(v) for _, v in pairs]
+  groups = [pairs]
+  targets = [t for (g, _), c in zip(pairs, copies) if c
+             for t in _gradients.tensors(g)]
+  for index in range(1, max(map(len, copies), default=0) + 1):
+    device = next(c[index - 1].device for c in copies if len(c) >= index)
+    prefix = _replicas.PREFIX % index
+    replayed = dict(zip([t.name for t in targets], _replay.replay(
+        targets, _replicas.stand_ins(index), device, prefix,
+        _replicas.averaged_at())))
+    with tf.name_scope(prefix.rstrip("/")):
+      groups.append([(_on_copy(g, replayed, c[index - 1]), c[index - 1])
+                     for (g, _), c in zip(pairs, copies) if len(c) >= index])
+  return groups
+
+
+def apply_per_copy(original: Callable[..., tf.Operation],
+                   groups: List[_gradients.GradsAndVars],
+                   global_step: Optional[tf.Variable],
+                   name: Optional[str]) -> tf.Operation:
+  """Calls `original` (an ``apply_gradients``) once on every copy's pairs."""
+  flat = [pair for group in groups for pair in group]
+  kwargs = {} if name is None else {"name": name}
+  with _replicas.local_slots(), _next_to_variables(flat):
+    return original(flat, global_step=global_step, **kwargs)
+
+
+def original_apply(opt: tf.train.Optimizer) -> Callable[..., tf.Operation]:
+  """`opt`'s own ``apply_gradients``, routed or not."""
+  return getattr(opt.apply_gradients, _ORIGINAL, opt.apply_gradients)
+
+
+def _apply(original, grads_and_vars, global_step, name) -> tf.Operation:
+  return apply_per_copy(original, per_copy(grads_and_vars), global_step, name)
+
+
+def _checked(grads_and_vars) -> _gradients.GradsAndVars:
+  if isinstance(grads_and_vars, tuple) and len(grads_and_vars) == 2 and \
+      not isinstance(grads_and_vars[0], (list, tuple)):
+    grads_and_vars = [grads_and_vars]
+  pairs = list(grads_and_vars)
+  for pair in pairs:
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+      raise TypeError("expected (grad, var) pairs, as average_gradients "
+                      "returns them, got %r" % (pair,))
+    primary = _replicas.primary_of(pair[1])
+    if primary is not None:
+      raise ValueError(
+          "the pairs name %s, copy %d of %s; apply copy 0's pairs (what "
+          "average_gradients returns): every copy takes the same update"
+          % (pair[1].op.name, primary[1], primary[0].op.name))
+  return [tuple(p) for p in pairs]
+
+
+def _on_copy(grad, replayed: Dict[str, tf.Tensor], copy: tf.Variable):
+  """Copy `copy`'s gradient: the replayed one, or copy 0's read on the
+  copy's device (so the ops of its update follow it there)."""
+  if grad is None:
+    return None
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(replayed[grad.values.name],
+                            replayed[grad.indices.name], grad.dense_shape)
+  mine = replayed[grad.name]
+  if mine is grad:
+    with tf.device(copy.device):
+      mine = tf.identity(grad)
+  return mine
+
+
+@contextlib.contextmanager
+def _next_to_variables(pairs: _gradients.GradsAndVars) -> Iterator[None]:
+  """Places the ops an ``apply_gradients`` call leaves unplaced next to the
+  variable they serve."""
+  variables: Dict[str, str] = {}
+  # Op name -> the device of the variable whose update it is part of.
+  owned: Dict[str, str] = {}
+  for grad, var in pairs:
+    variables.setdefault(var.op.name, var.device)
+    for t in _gradients.tensors(grad):
+      owned.setdefault(t.op.name, var.device)
+  known = set(variables.values()) - {""}
+
+  def owner(op: tf.Operation) -> str:
+    if op.type in _placement.VARIABLE_OPS:
+      # The longest variable name the new variable's name extends.
+      parts = op.name.split("/")
+      for end in range(len(parts) - 1, 0, -1):
+        device = variables.get("/".join(parts[:end]))
+        if device is not None:
+          return device
+      return ""
+    for t in op.inputs:
+      # A variable's read is made with no device at all; it runs on the
+      # variable's.
+      source = t.op.inputs[0].op if t.op.type == "ReadVariableOp" else t.op
+      device = owned.get(source.name) or (
+          source.device if source.device in known else "")
+      if device:
+        return device
+    return ""
+
+  def device_fn(op: tf.Operation) -> str:
+    device = owner(op)
+    if device:
+      owned[op.name] = op.device or device
+    return op.device or device
+
+  with tf.device(device_fn):
+    yield

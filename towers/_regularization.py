@@ -1,0 +1,157 @@
+"""Weight decay next to its variable: a tower's gradient split in two parts.
+
+A tower's loss often adds a term computed from variables alone: the
+regularization losses ``tf.get_variable(..., regularizer=...)`` makes beside
+each variable, or the CIFAR-10 tutorial's ``wd * tf.nn.l2_loss(weights)``
+inside the model. Computed in every tower, under the tower's device, it and
+its gradient read each of its variables a second time on the tower (under
+resource variables each read is a tensor of its own): one more copy of every
+regularized variable per tower and step than the design's one.
+
+So, once a tower's loss is built, the ops of such a term that nothing else
+of the tower uses move to the device of the variable they read (`place`),
+and once its gradients are built, so do their gradients; a variable's
+gradient that TensorFlow summed from both parts (the ``AddN`` at the
+variable) is recorded with its parts (`split`). `average_gradients` then
+averages the data parts as any gradient (packed, all-reduced) and adds the
+towers' weight-decay parts next to the variable; the tower's own sum, which
+would bring that part to the tower, does not run. Values do not change: the
+ops are the same, only placed elsewhere, and the sum is regrouped.
+"""
+
+import re
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import tensorflow.compat.v1 as tf
+
+from towers import _isolation
+from towers import _replay
+
+_SUMS = frozenset(["AddN", "AddV2", "Add"])
+# A gradient op's name: <scope>/gradients[_k]/<forward op>_grad[_k]/...
+_GRADIENT_OF = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad(?:_\d+)?/")
+
+# Per graph: a tower's gradient's name -> (its data part, its weight-decay
+# parts).
+_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+Parts = Tuple[tf.Tensor, List[tf.Tensor]]
+
+
+def place(loss: tf.Tensor, batch: object, scope: str) -> Dict[str, str]:
+  """Moves the variables-only terms of a tower's loss next to their variables.
+
+  A term is a scalar computed from variables and constants alone that an op
+  computed from data reads (``loss = xent + decay``). An op of it moves if
+  the term is all that reads it (a weight cast the model also reads stays on
+  the tower), to the device of the variables it reads.
+
+  Returns:
+    {forward op name: device} of the term ops, moved or already there (the
+    variables' reads among them).
+  """
+  graph = tf.get_default_graph()
+  starts = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
+  # The tower's own sources of data, and placeholders wherever they are.
+  starts += [t for op in graph.get_operations()
+             if _isolation.is_source(op) and (
+                 op.name.startswith(scope) or op.type.startswith(
+                     "Placeholder")) for t in op.outputs]
+  data = _isolation.descendants(starts) | {loss.op}
+  # pylint: disable-next=protected-access
+  free = sorted((op for op in _isolation.ancestors(loss.op)
+                 if op not in data), key=lambda op: op._id)
+  names = {op.name for op in free}
+  # Consumers first: an op is part of a term if data reads it as a scalar,
+  # or if it feeds only ops of terms.
+  term = set()
+  for op in reversed(free):
+    consumers = [c for t in op.outputs for c in t.consumers()]
+    # pylint: disable-next=protected-access
+    if not op.inputs or op._control_flow_context is not None or not (
+        consumers):
+      continue
+    if all(c.name in term for c in consumers) or (
+        all(t.shape.rank == 0 for t in op.outputs) and
+        any(c.name not in names for c in consumers)):
+      term.add(op.name)
+  devices: Dict[str, str] = {}
+
+  def home(op: tf.Operation) -> str:
+    """Where a term's input is: a read is next to its variable."""
+    if op.name in devices:
+      return devices[op.name]
+    return next((t.op.device for t in op.inputs if _is_variable(t)), "")
+
+  # Inputs first: an op goes where its inputs' variables are.
+  for op in free:
+    if op.name not in term:
+      continue
+    if any(_is_variable(t) for t in op.inputs):
+      # A read: TensorFlow places it with its variable.
+      devices[op.name] = home(op)
+      continue
+    device = next((d for d in (home(t.op) for t in op.inputs) if d), "")
+    if device:
+      devices[op.name] = device
+      # pylint: disable-next=protected-access
+      op._set_device(device)
+  return devices
+
+
+def _is_variable(tensor: tf.Tensor) -> bool:
+  """Whether `tensor` is a variable itself: a handle or a reference."""
+  return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def split(grads_and_vars: Sequence[Tuple[object, tf.Variable]], after: int,
+          terms: Dict[str, str]) -> None:
+  """Moves the gradients of `terms` (`place`) next to their variables and
+  records each gradient summed from both parts.
+
+  Args:
+    grads_and_vars: the tower's pairs, built by ops made after op `after`.
+    after: the id of the last op made before the tower's gradients.
+    terms: {forward op name: device}, as `place` returns it.
+  """
+  if not terms:
+    return
+  moved = set()
+  for op in _replay.made_after(after):
+    found = _GRADIENT_OF.search(op.name)
+    device = terms.get(found.group(1)) if found else None
+    if device:
+      moved.add(op.name)
+      # pylint: disable-next=protected-access
+      op._set_device(device)
+  for grad, _ in grads_and_vars:
+    if not isinstance(grad, tf.Tensor) or grad.op.type not in _SUMS or \
+        grad.op.name in moved:
+      continue
+    data = [t for t in grad.op.inputs if t.op.name not in moved]
+    decay = [t for t in grad.op.inputs if t.op.name in moved]
+    if data and decay:
+      record(grad, data, decay)
+      # TensorFlow colocates the sum with its first input, which the
+      # placer then holds the moved part to, wherever it was put.
+      if "_class" in grad.op.node_def.attr:
+        grad.op._clear_attr("_class")  # pylint: disable=protected-access
+
+
+def record(grad: tf.Tensor, data: List[tf.Tensor],
+           decay: List[tf.Tensor]) -> None:
+  """Records that `grad` is the sum of `data` and `decay`."""
+  if len(data) > 1:
+    with tf.device(grad.device):
+      data_part = tf.add_n(data)
+  else:
+    data_part = data[0]
+  _PARTS.setdefault(grad.graph, {})[grad.name] = (data_part, decay)
+
+
+def parts(grad) -> Optional[Parts]:
+  """``(data part, weight-decay parts)`` of a recorded gradient, or None."""
+  if not isinstance(grad, tf.Tensor):
+    return None
+  return _PARTS.get(grad.graph, {}).get(grad.name)
