@@ -89,8 +89,42 @@ SETUPS = {
         task_index, num_workers, towers_per_worker = 0, 1, 2
         global_step = tf.train.get_or_create_global_step()
         """),
+    # Fine-tuning: a pretrained checkpoint of bert/, a model with a new head.
+    "tf.train.init_from_checkpoint(pretrained, assignment_map)":
+        textwrap.dedent("""
+        import os
+        import tempfile
+
+        def model_fn(scope, images, labels):
+          del scope
+          with tf.variable_scope("bert"):
+            hidden = tf.tanh(tf.matmul(images, tf.get_variable("w", [784, 16])))
+          with tf.variable_scope("head"):
+            w = tf.get_variable("w", [16, 10])
+          return tf.losses.sparse_softmax_cross_entropy(labels,
+                                                        tf.matmul(hidden, w))
+
+        checkpoint_dir = tempfile.TemporaryDirectory()
+        with tf.Graph().as_default():
+          tf.get_variable("bert/w", [784, 16])
+          with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            pretrained = tf.train.Saver().save(
+                sess, os.path.join(checkpoint_dir.name, "model.ckpt"))
+        """),
 }
 EPILOGUES = {
+    "tf.estimator.Estimator(": textwrap.dedent("""
+        def input_fn():
+          x = np.random.RandomState(0).rand(32, 8).astype(np.float32)
+          y = np.random.RandomState(1).randint(0, 10, 32).astype(np.int32)
+          return tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(8)
+
+        estimator.train(input_fn, steps=4)
+        saved = [n for n, _ in tf.train.list_variables(estimator.model_dir)]
+        assert not any(n.startswith("replica_") for n in saved), saved
+        estimator.evaluate(input_fn, steps=1)
+        """),
     "num_workers=W": textwrap.dedent("""
         config = towers.virtual_cpu_config(2, operation_timeout_in_ms=60000)
         config.experimental.collective_group_leader = (
@@ -142,6 +176,9 @@ def test_snippet_runs_to_the_end(where):
   if "tf.layers." in code and keras_3 and importlib.util.find_spec(
       "tf_keras") is None:
     pytest.skip("TensorFlow %s has Keras 3 and tf_keras is not installed"
+                % tf2.__version__)
+  if "tf.estimator." in code and not hasattr(tf2.compat.v1, "estimator"):
+    pytest.skip("tf.estimator was removed in TensorFlow 2.16 (this is %s)"
                 % tf2.__version__)
   env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
   done = subprocess.run([sys.executable, "-c", _program(code)], env=env,
