@@ -126,9 +126,6 @@ def _apply(original, grads_and_vars, global_step, name) -> tf.Operation:
 
 
 def _checked(grads_and_vars) -> _gradients.GradsAndVars:
-  if isinstance(grads_and_vars, tuple) and len(grads_and_vars) == 2 and \
-      not isinstance(grads_and_vars[0], (list, tuple)):
-    grads_and_vars = [grads_and_vars]
   pairs = list(grads_and_vars)
   for pair in pairs:
     if not isinstance(pair, (list, tuple)) or len(pair) != 2:
