@@ -44,18 +44,21 @@ def _one_device(x, y, steps):
       return {v.op.name: sess.run(v) for v in tf.trainable_variables()}
 
 
-@pytest.mark.parametrize("variable_device", ["/cpu:0", "balanced"])
+# Reduced next to each variable, or on a device of its own (a parameter-server
+# worker's, where the weight decay is added next to the variable afterwards).
+@pytest.mark.parametrize("variable_device,average_device", [
+    ("/cpu:0", None), ("balanced", None), ("/cpu:0", "/cpu:3")])
 def test_weight_decay_runs_next_to_the_weights_with_the_one_device_result(
-    variable_device):
+    variable_device, average_device):
   x, y = batch(8)
   tower_devices = ["/cpu:1", "/cpu:2"]
   with tf.Graph().as_default() as graph:
     train_op, _ = towers.minimize(
         _model, tf.train.GradientDescentOptimizer(0.5), 2,
         inputs=(tf.constant(x), tf.constant(y)), devices=tower_devices,
-        variable_device=variable_device)
+        variable_device=variable_device, average_device=average_device)
     homes = {v.op.name: v.device for v in tf.trainable_variables()}
-    with tf.Session(config=towers.virtual_cpu_config(3)) as sess:
+    with tf.Session(config=towers.virtual_cpu_config(4)) as sess:
       sess.run(tf.global_variables_initializer())
       metadata = tf.RunMetadata()
       sess.run(train_op, run_metadata=metadata,
@@ -112,7 +115,9 @@ def test_only_the_weight_decay_moves_whatever_feeds_the_towers():
     moved = {op.name for op in graph.get_operations()
              if op.name.startswith(t.scopes[1]) and op.device.endswith(
                  "CPU:0")}
-    decay = ("L2Loss", "weight_loss", "Regularizer", "regularization_loss")
+    # The decay, its gradient, and each weight's gradient's sum of both.
+    decay = ("L2Loss", "weight_loss", "Regularizer", "regularization_loss",
+             "gradients/AddN")
     assert moved and all(any(k in name for k in decay) for name in moved), (
         sorted(moved))
     with tf.Session(config=towers.virtual_cpu_config(3)) as sess:

@@ -149,7 +149,7 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
   replicated = [pairs for pairs in zip(*tower_grads)
                 if any(p[1] is not pairs[0][1] for p in pairs)]
   algorithm = _algorithm(replicated, all_reduce, device, len(tower_grads))
-  tower_grads, decay = _without_weight_decay(tower_grads)
+  tower_grads, decay = _without_weight_decay(tower_grads, device)
   flat = [t for tower in tower_grads for g, _ in tower for t in tensors(g)]
   flat += [t for parts in decay.values() for part in parts for t in part]
   flat += list(control_inputs)
@@ -195,24 +195,38 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
   return [group for group in groups if group]
 
 
-def _without_weight_decay(tower_grads: Sequence[GradsAndVars]):
-  """Returns the towers' pairs with the data part where every tower's
-  gradient is a data part plus weight decay next to the variable (copy 0,
-  when replicated), and {position: [num_towers] weight-decay parts}.
+def _without_weight_decay(tower_grads: Sequence[GradsAndVars],
+                          device: Optional[str]):
+  """Places weight decay's share of the towers' gradients next to its
+  variables (`_regularization`).
 
-  A replicated tower's weight decay on its own copy stays in its gradient:
-  summed next to copy 0, it would cross to copy 0 and back.
+  Where a shared variable's gradient is, in every tower, a data part plus
+  weight decay computed next to the variable: reduced there, each tower's
+  sum moves there too (the data part crosses as the whole did, the same
+  sum); reduced on `device`, the data parts are, and the weight decay is
+  added next to the variable afterwards (it stays where it is).
+
+  Returns:
+    The pairs to reduce, and {position: [num_towers] weight-decay parts}
+    to add after the reduction.
   """
   decay: Dict[int, List[List[tf.Tensor]]] = {}
   data: Dict[Tuple[int, int], tf.Tensor] = {}
   for i, pairs in enumerate(zip(*tower_grads)):
-    split = [_regularization.parts(g) for g, _ in pairs]
     home = pairs[0][1].device
-    if all(parts is not None and all(t.device == home for t in parts[1])
-           for parts in split):
-      decay[i] = [parts[1] for parts in split if parts is not None]
-      data.update(((j, i), parts[0]) for j, parts in enumerate(split)
-                  if parts is not None)
+    if any(v is not pairs[0][1] for _, v in pairs):
+      continue  # Copies: each tower's weight decay is its own copy's.
+    split = [_regularization.parts(g) for g, _ in pairs]
+    if not all(parts is not None and all(t.device == home for t in parts[1])
+               for parts in split):
+      continue
+    if device is None:
+      for grad, _ in pairs:
+        grad.op._set_device(home)  # pylint: disable=protected-access
+      continue
+    decay[i] = [parts[1] for parts in split if parts is not None]
+    data.update(((j, i), parts[0]) for j, parts in enumerate(split)
+                if parts is not None)
   if not decay:
     return tower_grads, decay
   return [[(data.get((j, i), g), v) for i, (g, v) in enumerate(tower)]

@@ -13,10 +13,11 @@ of the tower uses move to the device of the variable they read (`place`),
 and once its gradients are built, so do their gradients; a variable's
 gradient that TensorFlow summed from both parts (the ``AddN`` at the
 variable) is recorded with its parts (`split`). `average_gradients` then
-averages the data parts as any gradient (packed, all-reduced) and adds the
-towers' weight-decay parts next to the variable; the tower's own sum, which
-would bring that part to the tower, does not run. Values do not change: the
-ops are the same, only placed elsewhere, and the sum is regrouped.
+moves that sum next to the variable too, where it reduces the towers'
+gradients (the same sum, so the same result), or, reducing on another
+device (a parameter-server worker's), averages the data parts there and
+adds the weight decay next to the variable. Replicated towers keep their
+weight decay where the model puts it: each copy is on its tower already.
 """
 
 import re

@@ -95,8 +95,8 @@ def build_towers(model_fn: Callable[..., object],
   variable scope as it found it, not reusing, so optimizer slots and
   ``tf.train.ExponentialMovingAverage`` can be created afterwards. It makes
   ``opt.apply_gradients`` (on this `opt`) `apply_gradients`, which updates
-  every replicated copy. A loss term computed from variables alone (weight
-  decay) and its gradient run next to those variables.
+  every replicated copy. With one copy, a loss term computed from variables
+  alone (weight decay) and its gradient run next to those variables.
 
   Args:
     model_fn: called as ``model_fn(scope, *batch)`` in each tower; returns the
@@ -225,8 +225,9 @@ def build_towers(model_fn: Callable[..., object],
 
   def tower(index, scope, batch, check):
     loss, output = _check_result(model_fn(scope, *batch), scope)
-    # Weight decay's ops next to their variables, not on the tower.
-    terms = _regularization.place(loss, batch, scope)
+    # Weight decay's ops next to their variables, not on the tower (a
+    # replicated tower's copies are on its own device already).
+    terms = {} if replicated else _regularization.place(loss, batch, scope)
     # The gradients, and so every reduction of them, wait for the check.
     _device_check.gate(loss, check)
     # Tower 0's batch-norm updates stand for all (tf-slim's choice): running
