@@ -1,4 +1,4 @@
-"""Across workers (issue 15): 2 workers x 2 towers on loopback, against 1 x 4.
+"""Across workers: 2 workers x 2 towers on loopback, against 1 x 4.
 
 Three ways to train the same model on 4 towers of the same per-tower batch
 (so the same global batch), each timed in interleaved rounds like the other

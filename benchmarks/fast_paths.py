@@ -1,4 +1,4 @@
-"""The fast paths (issue 13): staged inputs, mixed precision and XLA, timed.
+"""The fast paths: staged inputs, mixed precision and XLA, timed.
 
 Two comparisons, each timed in interleaved rounds of its own, on the MNIST
 and CIFAR-10 CNNs (`benchmarks.workloads`), trained with `towers.minimize`

@@ -12,7 +12,7 @@ from benchmarks import graphs
 from benchmarks import quiet
 from benchmarks import traffic
 
-# The issue's targets.
+# The targets: towers against plain, one tower and several.
 ONE_TOWER_RATIO = 0.97
 MANY_TOWERS_RATIO = 0.90
 # "Clearly less peak memory" than the original's, made a number: at least
@@ -23,7 +23,7 @@ PEAK_MEMORY_RATIO = 0.80
 # gradients, timed inside one build, so machine drift between builds does
 # not enter).
 BUILD_TOWER_GROWTH = 1.25
-# The replicated mode's (issue 10): replicated with the ring or the
+# The replicated mode's: replicated with the ring or the
 # collective all-reduce against the one-copy "cpu" mode, and every mode of
 # towers against independent towers (a copy each, nothing exchanged), at
 # the same number of towers.
@@ -38,7 +38,7 @@ BYTES_MIN_TOWERS = 4
 # Every variant's measured bytes through its busiest device within this
 # share of the figure its design predicts.
 TRAFFIC_TOLERANCE = 0.10
-# Gradient packing's targets (issue 11): each packed row against its
+# Gradient packing's targets: each packed row against its
 # unpacked twin (pack_bytes=0) at the same number of towers. On the model of
 # many small variables, from PACKED_MIN_TOWERS towers on, packing must pay,
 # in the "cpu" mode and replicated with add_n and the collective; and its
@@ -56,7 +56,7 @@ PACKED_DEFAULT_RATIO = 0.98
 PACKED_DEFAULT_WORKLOADS = ("mnist", "cifar10")
 PACKED_DEFAULT_TOWERS = (2, 4)
 PACKED_DEFAULT_MODES = (graphs.TOWERS, graphs.REPLICATED_ADD_N)
-# The fast paths' (issue 13): staged inputs cost at most 5% against the
+# The fast paths': staged inputs cost at most 5% against the
 # same tf.data input unstaged, at 2 towers and more (on CPU there is nothing
 # to gain: the devices share memory).
 STAGED_RATIO = 0.95

@@ -98,7 +98,7 @@ FLAGS = flags.FLAGS
 # The quick run's "many_small" model: its graphs build in seconds.
 QUICK_MANY_SMALL_VARIABLES = 20
 
-# The model made for gradient packing (issue 11) runs plain and the modes
+# The model made for gradient packing runs plain and the modes
 # timed packed and unpacked only: its rows are about packing.
 PACKING_WORKLOADS = frozenset(["many_small"])
 PACKING_VARIANTS = (graphs.TOWERS, graphs.TOWERS_UNPACKED,

@@ -4,7 +4,7 @@ The CNNs are imported from examples/ (not copied), so the benchmark times
 exactly what the examples train. The third model (`small_variables`) is
 synthetic: little compute and many small variables, like a network's biases
 and batch-norm scales and offsets, where a reduction's fixed cost per tensor
-shows (gradient packing, issue 11). Each workload is a loss function of one
+shows (gradient packing). Each workload is a loss function of one
 batch, ``loss_fn(images, labels) -> scalar loss``, built from
 ``tf.get_variable`` calls: the graph variants call it in each tower, the
 MirroredStrategy worker calls it inside TF2's variable-scope shim. The CNNs

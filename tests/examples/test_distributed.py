@@ -366,7 +366,7 @@ def test_a_worker_waiting_for_a_missing_chief_is_a_clear_error():
   assert time.time() - started < 30
 
 
-# Failures (issue 15). Each test bounds every wait; the cluster's context
+# Failures. Each test bounds every wait; the cluster's context
 # stops every task, also when the test fails, and on Linux a task dies with
 # the process that started it.
 
