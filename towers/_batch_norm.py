@@ -49,65 +49,34 @@ def batch_normalization(inputs,
                         fused: Optional[bool] = None,
                         virtual_batch_size: Optional[int] = None,
                         adjustment=None) -> tf.Tensor:
-  """Batch norm over the global batch of all towers: a drop-in for
-  ``tf.compat.v1.layers.batch_normalization``.
+  """Batch norm over the global batch of all towers (``tf.layers``' drop-in).
 
-  Inside `build_towers` (or `minimize`) with ``training`` not False, the
-  mean and variance are those of the global batch: each tower's count, sum
-  and sum of squares over the non-`axis` dimensions are summed across the
-  towers (one collective per layer, NCCL on GPUs; see `TowerContext`), and
-  so is the gradient. Outputs, every gradient after averaging and the moving
-  averages then equal one device's on the whole batch. With ``training``
-  a boolean tensor the statistics are computed (and summed) whatever its
-  value, as ``tf.layers`` computes them, and selected by it. Outside towers,
-  with one tower, or with ``training=False`` it normalizes alone.
-
-  Like ``tf.layers``: the variables ``<name>/gamma``, ``beta``,
-  ``moving_mean`` and ``moving_variance`` (the last two not trainable),
-  default name ``batch_normalization``, ``_1``, ... (in later towers, the
-  name tower 0's layer took); the moving averages' updates are added to
-  ``tf.GraphKeys.UPDATE_OPS`` (`build_towers` runs tower 0's, which see the
-  global batch); the moving variance tracks the unbiased batch variance
-  where ``tf.layers`` would use its fused kernel (4-D or 5-D input, channels
-  on axis 1 or the last, float32 or narrower, `fused` not False) and the
-  biased one elsewhere, as ``tf.layers`` does. Float16 and bfloat16 inputs
-  are normalized in float32 with float32 variables. The statistics are a
-  single pass (sum and sum of squares, as every synchronized batch norm
-  computes them): inputs whose mean is far larger than their spread lose
-  digits there (normalize the input pixels first).
+  Inside `build_towers` with ``training`` not False, each tower's count, sum
+  and sum of squares are summed across the towers, and so is the gradient:
+  outputs, gradients and moving averages equal one device's on the whole
+  batch. Elsewhere it normalizes alone. Variables, default names, updates
+  and checkpoints are ``tf.compat.v1.layers.batch_normalization``'s. The
+  long form (the variance tracked, float16, one pass) is in docs/api.md.
 
   Args:
     inputs: a tensor of known rank.
-    axis: the axis (or list of axes) of the features: the statistics are
-      taken over all the others.
-    momentum: the moving averages' momentum.
-    epsilon: added to the variance.
-    center: whether to add the offset ``beta``.
-    scale: whether to multiply by ``gamma``.
+    axis, momentum, epsilon, center, scale: as for ``tf.layers``.
     beta_initializer, gamma_initializer, moving_mean_initializer,
-    moving_variance_initializer: the variables' initializers.
-    beta_regularizer, gamma_regularizer: optional regularizers.
-    beta_constraint, gamma_constraint: optional constraints, applied by the
-      optimizer after each update.
-    training: a Python bool or a scalar boolean tensor: batch statistics
-      (True) or the moving averages (False).
-    trainable: whether ``gamma`` and ``beta`` are trainable.
-    name: the variable scope; None picks ``batch_normalization``, ...
-    reuse: whether to reuse the variables of a layer of the same name.
+      moving_variance_initializer, beta_regularizer, gamma_regularizer,
+      beta_constraint, gamma_constraint: as for ``tf.layers``.
+    training: a Python bool or a scalar boolean tensor.
+    trainable, name, reuse: as for ``tf.layers``.
+    fused: decides only which variance the moving variance tracks.
     renorm, renorm_clipping, renorm_momentum, virtual_batch_size,
-    adjustment: ``tf.layers`` options not supported here: a ValueError
-      unless left at their defaults.
-    fused: ``tf.layers``' kernel choice. The statistics here are always
-      computed unfused (within rounding of the fused kernel); it decides only
-      which variance the moving variance tracks, as above.
+      adjustment: not supported; leave them at their defaults.
 
   Returns:
     The normalized tensor, of the dtype and shape of `inputs`.
 
   Raises:
-    ValueError: for an input of unknown rank or feature dimension, an axis
-      out of range, an unsupported option, or a cross-tower sum that cannot
-      be built (see `TowerContext.all_sum`).
+    ValueError: for an input of unknown rank or feature size, an axis out
+      of range, an unsupported option, or a cross-tower sum that cannot be
+      built (see `TowerContext.all_sum`).
   """
   unsupported = [(n, v) for n, v, default in [
       ("renorm", renorm, False), ("renorm_clipping", renorm_clipping, None),

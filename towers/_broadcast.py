@@ -14,18 +14,12 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
                        ) -> tf.Operation:
   """Returns an op that gives every worker the chief's variables.
 
-  For towers built with ``num_workers > 1``: when every worker runs it
-  (together: it is a collective), worker 0 (the chief) sends each variable
-  of `var_list` to the other workers, which assign what they receive; then
-  every worker sets its replicated copies, and their optimizer slots, from
-  copy 0 again. Variables of one dtype travel as one tensor, in the order
-  of their names, from each worker's first tower device.
-
-  Each worker initializes its own variables (there is no parameter server
-  to share them), and only the chief restores a checkpoint, so run it after
-  the variables are initialized or restored and after the local init op
-  (which sets the copies once already): as a ``tf.train.Scaffold``'s local
-  init op, built under a control dependency on the default one::
+  For towers built with ``num_workers > 1``: run by every worker together
+  (a collective), worker 0 (the chief) sends each variable of `var_list`,
+  one tensor per dtype, and the others assign it; then every worker sets
+  its replicated copies and their slots from copy 0 again. Run it after
+  initialization or the chief's restore and after the local init op, as a
+  ``tf.train.Scaffold``'s local init op (docs/api.md has the long form)::
 
     with tf.control_dependencies([tf.train.Scaffold.default_local_init_op()]):
       sync = towers.broadcast_variables()
@@ -35,9 +29,7 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
   step, moving averages), in the same order on every worker.
 
   Args:
-    var_list: the variables to send; default ``tf.global_variables()``
-      (the model, the optimizer's slots, the global step, batch-norm
-      statistics, a loss scale).
+    var_list: the variables to send; default ``tf.global_variables()``.
 
   Returns:
     The op; on a graph of one worker, a no-op.

@@ -27,83 +27,31 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
                      ) -> GradsAndVars:
   """Averages each variable's gradient over the towers.
 
-  This is the synchronization point across all towers. Per variable, the
-  result is ``sum_i weights[i] * grad_i`` (the plain mean when `weights` is
-  None), computed next to the variable: dense gradients are summed in tower
-  order (no ``[num_towers, ...]`` concat buffer), sparse
-  ``tf.IndexedSlices`` stay sparse (indices concatenated, values scaled).
-  With `device`, every reduction runs there instead: on a worker of a
-  cluster whose variables live on parameter servers, averaging on the worker
-  sends one gradient per variable over the network instead of one per tower.
-
-  Towers built with ``variable_device="replicated"`` list their own copies
-  of the variables. Their dense gradients are all-reduced by `all_reduce`,
-  so each copy gets the average on its own device; the result is copy 0's
-  pairs (single-device names), which `apply_gradients` applies to every
-  copy. Sparse gradients are gathered on copy 0's device (kept sparse) and
-  that one ``tf.IndexedSlices`` goes to every copy.
-
-  In the graph of one of several workers (towers built with
-  ``num_workers > 1``), the all-reduce's group holds every tower of every
-  worker, and each worker gets the mean of the workers' averages (each
-  worker's `weights` summing to 1); a gradient its towers share is averaged
-  on the worker, then all-reduced with the other workers' from its first
-  tower device; sparse slices are gathered from every worker.
-
-  No averaged gradient is ready before every tower has read its variable,
-  so ``opt.apply_gradients(average_gradients(...))`` with
-  ``gate_gradients=0`` is the exact single-device update. With ref variables,
-  whose reads alias the buffer an update changes in place, every averaged
-  gradient waits for every gradient of every tower (the ``GATE_GRAPH``
-  guarantee across towers); with resource variables, each waits for the
-  step's reads of its own variable, so updates overlap the rest of backprop.
-
-  Small dense gradients are packed: with two or more towers, those of at
-  most `pack_bytes` bytes that are reduced alike (one dtype, the same
-  devices) are flattened and concatenated on each tower's device, the pack
-  is reduced once (one transfer per tower where there would be one per
-  gradient), and the result split back next to each variable. The result is
-  bitwise the unpacked one (with ``"collective"`` and three or more copies,
-  within rounding: the collective cuts the pack its own way). ``None``,
-  ``tf.IndexedSlices``, larger gradients and gradients whose static shape is
-  not fully defined are reduced one by one.
-
-  It does not sum (scale the loss for that) or clip (clip its result: the
-  norm of the average is what matters). A variable whose gradient is dense
-  in some towers and sparse in others is averaged densely.
+  The synchronization point. Per variable, ``sum_i weights[i] * grad_i``
+  next to the variable (or on `device`), in tower order; sparse gradients
+  stay sparse, small dense ones are reduced in packs (bitwise the same),
+  and no average is ready before every tower has read its variable, so
+  applying it with ``gate_gradients=0`` is the single-device update.
+  Replicated towers' gradients are all-reduced, each copy's left on its
+  device for `apply_gradients`. It does not clip: clip its result. See
+  docs/api.md for the long form.
 
   Args:
-    tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
-      list as returned by ``opt.compute_gradients`` for the same variables
-      (or, replicated, the tower's copies of them) in the same order.
-    weights: ``[num_towers]`` of each tower's share of the global batch,
-      Python numbers summing to 1 or scalar tensors; None for equal shares.
-    device: where to reduce, e.g. ``'/job:worker/task:0/cpu:0'``; None (the
-      default) reduces each gradient on its variable's device (copy 0's when
-      replicated). Not with the ``"ring"`` or ``"collective"`` all-reduce,
-      which reduce on every device.
-    control_inputs: ops or tensors every averaged gradient also waits for,
-      such as the towers' losses and update ops (`minimize` passes both).
-    all_reduce: for replicated towers, ``"add_n"``, ``"ring"``,
-      ``"collective"`` or ``"auto"`` (see `build_towers`); None is what
-      ``Towers.all_reduce`` says, or ``"auto"``.
-    pack_bytes: the largest gradient, in bytes, that is packed with others
-      of its kind (default 16 KiB, chosen by measurement: see
-      docs/performance.md); 0 turns packing off.
+    tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``.
+    weights: ``[num_towers]`` shares of the global batch, or None (equal).
+    device: where to reduce; None: next to each variable.
+    control_inputs: ops every averaged gradient also waits for.
+    all_reduce: for replicated towers; None: ``Towers.all_reduce``'s.
+    pack_bytes: the largest gradient packed with others; 0: no packing.
 
   Returns:
-    ``[num_vars]`` of ``(grad, var)`` in the first tower's order, with the
-    first tower's variables (copy 0's, when replicated). A variable whose
-    gradient is None in every tower stays ``(None, var)``.
+    ``[num_vars]`` of ``(grad, var)``, the first tower's (copy 0's) pairs.
 
   Raises:
-    ValueError: if `tower_grads` is empty, the towers' variable lists differ
-      (in length or in the variable at a position), a gradient is None in some
-      towers only, `weights` has the wrong length or does not sum to 1, or
-      `all_reduce` or `device` does not fit the towers' variables, or
-      `pack_bytes` is negative.
-    TypeError: if an entry is not a ``(grad, var)`` pair, a gradient is not
-      a tensor, ``tf.IndexedSlices`` or None, or `pack_bytes` is not an int.
+    ValueError: if the towers' lists, weights, `all_reduce`, `device` or
+      `pack_bytes` do not fit.
+    TypeError: if an entry is not a ``(grad, var)`` pair of a tensor,
+      ``tf.IndexedSlices`` or None.
   """
   groups = _average_per_copy(tower_grads, weights, device=device,
                              control_inputs=control_inputs,

@@ -19,37 +19,28 @@ def infer(model_fn: Callable[..., object],
           tower_name: str = "tower") -> object:
   """Runs a forward-only function on towers; returns its outputs in order.
 
-  The global batch in `inputs` is split as `build_towers` splits it, tower
-  ``i`` calls ``model_fn(scope, *shard)`` on its device with the towers'
-  variables shared (single-device names, placed by `variable_device`), and
-  each output's shards are concatenated back along axis 0, so row ``k`` of
-  an output belongs to example ``k`` of the batch. No optimizer, no
-  gradients. A batch smaller than `num_gpus` (the last one of an evaluation
-  set, say) leaves the later towers an empty shard.
+  The global batch is split as `build_towers` splits it, tower ``i`` calls
+  ``model_fn(scope, *shard)`` on its device with the variables shared, and
+  each output's shards are concatenated back on axis 0 (row ``k`` is example
+  ``k``). No gradients. A batch smaller than `num_gpus` (an evaluation
+  set's last) leaves the later towers an empty shard.
 
   Args:
-    model_fn: called as ``model_fn(scope, *batch)`` in each tower; returns a
-      tensor or a nested structure of tensors, each with the tower's
-      examples on axis 0 (logits, predictions...).
+    model_fn: ``model_fn(scope, *batch)`` -> tensors, examples on axis 0.
     num_gpus: the number of towers, a positive int.
-    inputs: a tensor or a nested structure of tensors holding the global
-      batch on axis 0 (as for `build_towers`; not a callable: the outputs
-      must come back in the batch's order).
+    inputs: the global batch (nested tensors; not a callable).
     devices: ``[num_gpus]`` tower devices; as for `build_towers`.
-    variable_device: as for `build_towers`; ``'replicated'`` reads each
-      tower's copy of the variables.
+    variable_device: as for `build_towers` (``'replicated'``: each copy).
     tower_name: the prefix of the towers' name scopes.
 
   Returns:
-    What `model_fn` returns, with each tensor the concatenation of the
-    towers' over the whole batch (built under the caller's device scope).
+    What `model_fn` returns, each tensor over the whole batch.
 
   Raises:
     RuntimeError: if eager execution is on.
-    TypeError: if `model_fn` is not callable, `inputs` is None or callable,
-      or `model_fn` returns something other than tensors.
-    ValueError: as `build_towers` for the devices and inputs, or if an
-      output is a scalar (it has no examples to put back in order).
+    TypeError: for a `model_fn`, `inputs` or outputs of the wrong kind.
+    ValueError: as `build_towers` for devices and inputs, or for a scalar
+      output (it has no examples to put back in order).
   """
   num_gpus = _devices.check_count("num_gpus", num_gpus)
   if not callable(model_fn):

@@ -69,134 +69,34 @@ def build_towers(model_fn: Callable[..., object],
                  **compute_gradients_kwargs) -> Towers:
   """Builds one model replica per device and computes each one's gradients.
 
-  The classic recipe: inside ``tf.variable_scope(tf.get_variable_scope())``,
-  tower ``i`` is built under ``tf.device(devices[i])`` and
-  ``tf.name_scope('tower_i')``, then the scope is set to reuse variables, and
-  ``opt.compute_gradients(loss)`` runs in the tower. Variables, created by
-  tower 0 with ``tf.get_variable`` (or ``tf.compat.v1.layers``), are shared
-  by all towers and keep single-device names; one device function places
-  them (see `variable_device`) and sends every other op of tower ``i`` to
-  ``devices[i]``, tower-local variables (``LOCAL_VARIABLES`` only, such as
-  ``tf.metrics`` accumulators) included. An explicit ``tf.device`` inside
-  `model_fn` still wins. Called inside ``tf.variable_scope('model')``, the
-  towers' name scopes are ``model/tower_0/``, ... and variables ``model/...``.
-
-  Once built, each tower's loss is checked to depend on its own batch only
-  and the towers' losses on the same regularization losses: a `model_fn`
-  returning ``tf.losses.get_total_loss()`` unscoped would otherwise add the
-  earlier towers' losses to each tower's, silently.
-
-  While tower ``i`` is built (`model_fn` and its gradients),
-  `tower_context()` returns its `TowerContext`, which cross-tower layers
-  (`batch_normalization`) read.
-
-  It does not average or apply the gradients (use `average_gradients` and
-  ``opt.apply_gradients``, or `minimize`), and it leaves the caller's
-  variable scope as it found it, not reusing, so optimizer slots and
-  ``tf.train.ExponentialMovingAverage`` can be created afterwards. It makes
-  ``opt.apply_gradients`` (on this `opt`) `apply_gradients`, which updates
-  every replicated copy. With one copy, a loss term computed from variables
-  alone (weight decay) and its gradient run next to those variables.
+  Tower ``i`` is built under ``devices[i]`` and ``tf.name_scope('tower_i')``
+  reusing tower 0's variables, and runs ``opt.compute_gradients``; the
+  losses are checked, and ``opt.apply_gradients`` is routed to
+  `apply_gradients`. The long form of each argument is in docs/api.md.
 
   Args:
-    model_fn: called as ``model_fn(scope, *batch)`` in each tower; returns the
-      tower's scalar float loss, or ``(loss, outputs)``.
+    model_fn: ``model_fn(scope, *batch)`` -> loss, or ``(loss, outputs)``.
     opt: a ``tf.compat.v1.train.Optimizer``.
-    num_gpus: the number of towers, a positive int (NumPy integers too).
-    inputs: None (`model_fn` builds its own input, called as
-      ``model_fn(scope)``); a tensor or a nested structure of tensors
-      (tuples, lists, dicts) holding the global batch on axis 0, each split
-      into `num_gpus` shards whose sizes differ by at most one; or a callable
-      (such as ``iterator.get_next``) called once in each tower's scope and
-      device, each tower getting its own batch. A tuple or list batch is
-      passed as separate arguments; anything else (a tensor, a dict of
-      features) as one argument, with the structure it came in.
-    devices: ``[num_gpus]`` tower devices; default
-      ``towers.tower_devices(num_gpus)`` (GPUs, or virtual CPUs where no
-      GPU is visible). Each session running the towers must have them all:
-      a step whose towers the session placed on one device fails.
-    variable_device: ``'cpu'`` (``/cpu:0``, the original's), ``'gpu'`` (the
-      first tower's device), ``'balanced'`` (each variable to the tower
-      device holding the fewest bytes so far), a device string, or a device
-      function called on each variable op (``tf.train.replica_device_setter``
-      works); or ``'replicated'``: every tower keeps its own copy of each
-      trainable variable on its device, the gradients are all-reduced and
-      every copy applies the same update. Copy 0, on the first tower's
-      device, keeps the single-device name and is the only one saved; copy
-      ``i`` is ``replica_<i>/<name>``, a local variable set from copy 0 by
-      the local init op (after initialization or a restore). Non-trainable
-      variables (batch-norm statistics) keep one copy, on the first tower's
-      device.
+    num_gpus: the number of towers, a positive int.
+    inputs: None, a global batch (split on axis 0), or a callable.
+    devices: ``[num_gpus]`` devices; default ``tower_devices(num_gpus)``.
+    variable_device: ``'cpu'``, ``'gpu'``, ``'balanced'``, ``'replicated'``
+      or a device (string or function).
     tower_name: the prefix of the towers' name scopes.
-    all_reduce: for ``variable_device='replicated'``, how the copies' gradients
-      are summed: ``'add_n'`` (on the first tower's device, every copy reads
-      the result: bitwise the one-copy mode), ``'ring'`` (a ring of graph
-      ops), ``'collective'`` (``CollectiveReduceV2`` with the NCCL hint: NCCL
-      on GPUs, a ring on CPUs) or ``'auto'`` (``'collective'`` when every
-      tower is a distinct GPU, else ``'add_n'``).
-    compute_dtype: ``'float16'`` or ``'bfloat16'`` for mixed precision:
-      each trainable variable `model_fn` asks for in that dtype
-      (``tf.get_variable(..., dtype=tf.float16)``, or ``tf.compat.v1.layers``
-      on half inputs) is kept in float32 under its own name (the master
-      weight that is averaged, updated and saved) and handed to the model
-      cast to `compute_dtype` on the tower's device. None or ``'float32'``:
-      variables are made as asked. `model_fn` casts its inputs; float16
-      needs loss scaling (`minimize` does it, or pass a
-      ``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``).
-    stage_inputs: whether each tower's batches are read ahead and staged on
-      its device (a staging area per tower), so a step's input copies run
-      while the steps before it compute. A background queue runner reads
-      the inputs (split or callable; a callable is called tower after
-      tower): ``tf.train.MonitoredTrainingSession`` starts it, a plain
-      session needs ``tf.train.start_queue_runners``. Every batch is
-      trained once, in order; at the end of the data the step after the
-      last staged batch raises ``OutOfRangeError``. The weights come from
-      the staged batches' sizes.
-    num_workers: the number of worker tasks that train together, each a
-      process building this same graph over its own `devices` (between-graph
-      replication), ``/job:worker/task:<k>/...`` on worker ``k`` (see
-      `tower_devices`). Above 1, the towers must be replicated, with
-      ``all_reduce='collective'`` (or ``'auto'``, which means it): every
-      collective (the gradients' all-reduce, a synchronized batch norm's
-      sums) has one member per tower of every worker, so each worker gets
-      the average over all ``num_workers * num_gpus`` towers (each worker's
-      weights summing to 1 and the workers counting equally: give every
-      worker the same batch size). Every session needs
-      ``config.experimental.collective_group_leader`` set to task 0 (as
-      ``'/job:worker/replica:0/task:0'``), and every worker must run the
-      same training step together; run `broadcast_variables` once after
-      initialization or a restore, so every worker starts from the chief's
-      values. No parameter servers.
-    **compute_gradients_kwargs: passed to ``opt.compute_gradients``;
-      ``gate_gradients`` defaults to ``GATE_NONE`` (0), since
-      `average_gradients` is the synchronization point.
+    all_reduce: replicated: ``'add_n'``, ``'ring'``, ``'collective'``.
+    compute_dtype: ``'float16'``/``'bfloat16'``: float32 master weights.
+    stage_inputs: whether to stage each tower's next batch on its device.
+    num_workers: worker tasks training together (collective, replicated).
+    **compute_gradients_kwargs: for ``opt.compute_gradients`` (0 gating).
 
   Returns:
     A `Towers` namedtuple.
 
   Raises:
-    RuntimeError: if eager execution is on (call
-      ``tf.compat.v1.disable_eager_execution()`` first).
-    TypeError: if `num_gpus` or `num_workers` is not an integer, `model_fn`
-      is not callable, `opt` has no ``compute_gradients``, `devices` holds a
-      non-string, or a tower's loss is not a float tensor.
-    ValueError: if `num_gpus` is not positive, `compute_dtype` is not a
-      float dtype of those above, `stage_inputs` is set without `inputs` or
-      with inputs fed by a placeholder, `all_reduce` is unknown or
-      given for a one-copy mode, replicated towers get an optimizer that
-      cannot apply per copy (``SyncReplicasOptimizer``), `devices` does not have
-      `num_gpus` entries, a tower's loss is missing or not a scalar, a tower
-      after the first creates a trainable variable (the towers would not
-      share it), a tower's loss reads another tower's data, or the towers'
-      losses include different regularization losses, or the towers built
-      different cross-tower sums (see `TowerContext.all_sum`), or a
-      regularization loss created with the towers reaches no tower's loss
-      (weight decay silently dropped), or `devices` is None and some GPUs
-      but fewer than `num_gpus` are visible, or
-      `num_workers` is below 1, or above 1 with towers that are not
-      replicated, another all-reduce than ``'collective'``, or `devices`
-      that do not name one task of its job (or name a task beyond
-      `num_workers`), or in a graph built for another number of workers.
+    RuntimeError: under eager execution.
+    TypeError: for arguments or losses of the wrong type.
+    ValueError: for bad values or towers that would train silently wrong,
+      naming the culprit and the fix.
   """
   num_gpus = _devices.check_count("num_gpus", num_gpus)
   if not callable(model_fn):

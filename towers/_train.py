@@ -25,53 +25,29 @@ def minimize(model_fn: Callable[..., object],
   """Builds the towers and one synchronous training step over all of them.
 
   The seed's step in one call: `build_towers`, `average_gradients` with the
-  towers' weights, optionally a clip of the averaged gradients by their
-  global norm (after averaging: the norm of the update is what matters),
-  then `apply_gradients` once, outside the towers' reuse scope (so
-  optimizer slots are created normally). The averaged gradients
-  also wait for the first tower's update ops and every tower's loss, so the
-  update ops run with each step and a loss fetched with the step is the loss
-  before the update.
+  towers' weights (also waiting for the update ops and the losses, so a
+  loss fetched with the step is the one before it), optionally a clip of
+  the averaged gradients by their global norm, then `apply_gradients`.
+  See docs/api.md for the long form.
 
   Args:
     model_fn: as for `build_towers`.
     opt: a ``tf.compat.v1.train.Optimizer``.
     num_gpus: the number of towers.
-    global_step: incremented by one per step when given, as with
-      ``opt.minimize``.
+    global_step: incremented by one per step when given.
     clip_norm: if set, the global norm the averaged gradients are clipped to.
-    average_device: passed to `average_gradients` as `device`: where the
-      towers' gradients are reduced (default: next to each variable). On a
-      worker whose variables live on parameter servers, the worker's own
-      device keeps the towers' average local.
-    loss_scale: ``'dynamic'``, a positive number, or None: the default,
-      ``'dynamic'`` when ``compute_dtype='float16'`` (unless `opt` is a
-      ``MixedPrecisionLossScaleOptimizer``, which scales already) and no
-      scaling otherwise. Each tower's loss is multiplied by the scale
-      before its gradients; the averaged gradients are divided by it once,
-      on each copy's device, and checked finite there; a step whose
-      gradients are not all finite applies nothing (no variable, copy,
-      slot or `global_step` changes, so learning-rate schedules keyed on
-      the global step pause with it). ``'dynamic'`` starts at 2**15,
-      halves after such a step and doubles after 2000 finite steps in a
-      row; the scale is a saved variable (``loss_scale``). A number is a
-      fixed scale, still skipping non-finite steps (1 only skips them).
-      The scale is returned in ``towers.loss_scale``.
-    **build_towers_kwargs: passed to `build_towers` (``inputs``,
-      ``devices``, ``variable_device``, ``all_reduce``, ``compute_dtype``,
-      ``stage_inputs``, ``num_workers``, ``compute_gradients`` arguments).
-      Replicated towers (``variable_device='replicated'``) are all-reduced
-      with their ``all_reduce``, and `apply_gradients` updates every copy.
+    average_device: `average_gradients`' `device`.
+    pack_bytes: `average_gradients`' `pack_bytes`.
+    loss_scale: ``'dynamic'``, a positive number, or None (dynamic for
+      float16 towers): steps whose gradients are not finite apply nothing.
+    **build_towers_kwargs: passed to `build_towers`.
 
   Returns:
-    ``(train_op, towers)``: the training op and the `Towers` built, with
-    ``towers.grads_and_vars`` set to the averaged gradients it applied.
+    ``(train_op, towers)``, with ``towers.grads_and_vars`` the pairs applied.
 
   Raises:
-    ValueError: if `clip_norm` is not positive, `loss_scale` is neither
-      ``'dynamic'`` nor a positive number, is given with a loss-scale
-      optimizer or with ``SyncReplicasOptimizer``, or as `build_towers` and
-      `average_gradients` do; also if no variable has a gradient.
+    ValueError: for a bad `clip_norm` or `loss_scale`, no gradient at all,
+      or as `build_towers` and `average_gradients` do.
     TypeError: as `build_towers` and `average_gradients` do.
   """
   if clip_norm is not None and not clip_norm > 0:
