@@ -15,8 +15,10 @@ ops), as in the one-copy modes.
 
 The copies are made by a custom getter in towers ``1..N-1``: ``tf.get_variable``
 (and ``tf.compat.v1.layers``, which call it) return copy ``i`` where tower 0
-got copy 0. A variable a tower reads without ``tf.get_variable`` (created
-before the towers, or by Keras) stays shared.
+got copy 0. A trainable variable a tower reads without ``tf.get_variable``
+(a Keras model's, held by the model object; one created before the towers)
+gets its copy after the tower is built: the tower's ops that read copy 0
+are made to read copy ``i`` instead (`read_copies`).
 """
 
 import contextlib
@@ -117,6 +119,37 @@ def _copy(next_getter, primary: tf.Variable, index: int,
   by_primary[(primary.op.name, index)] = copy
   _SOURCES.setdefault(copy.graph, []).append((copy, primary))
   return copy
+
+
+def read_copies(index: int, device: str, scope: str, after: int) -> None:
+  """Makes tower `index`'s ops made after op `after` in `scope` read copy
+  `index` (on `device`) of each trainable variable they read copy 0 of."""
+  primaries: Dict[str, Tuple[tf.Variable, bool]] = {}
+  for var in tf.trainable_variables():
+    primaries[var.op.outputs[0].name] = (var, False)
+    if var.op.type != "VarHandleOp":
+      primaries[var.value().name] = (var, True)
+  for op in _replay.made_after(after):
+    if not op.name.startswith(scope):
+      continue
+    for k, tensor in enumerate(op.inputs):
+      found = primaries.get(tensor.name)
+      if found is None:
+        continue
+      primary, snapshot = found
+      copy = copy_of(primary, index)
+      if copy is None:
+        copy = _copy(_get_variable, primary, index, device)
+      # pylint: disable-next=protected-access
+      op._update_input(k, copy.value() if snapshot else copy.op.outputs[0])
+
+
+def _get_variable(name: str, reuse=None, **kwargs) -> tf.Variable:
+  """``tf.get_variable`` at the root variable scope, outside any tower."""
+  del reuse
+  with tf.variable_scope(tf.VariableScope(tf.AUTO_REUSE),
+                         auxiliary_name_scope=False):
+    return tf.get_variable(name, **kwargs)
 
 
 def copies_of(var: tf.Variable) -> List[tf.Variable]:
