@@ -15,7 +15,8 @@ in the graph once the towers are built:
 - Towers whose losses include different regularization losses. A
   regularizer runs once, when tower 0 creates the variable, so a loss that
   sums its own scope's collection counts it in tower 0 only (measured 7%
-  off).
+  off). A Keras model's weight regularizers (``model.losses``) are built
+  anew wherever they are read, so they are compared by the weight.
 - A regularization loss the towers created that no tower's loss reads:
   ``tf.get_variable(..., regularizer=...)`` makes it beside the variable,
   outside every tower's name scope, so the tutorial's
@@ -27,6 +28,7 @@ queue is shared state, not a tower's data.
 """
 
 import collections
+import re
 from typing import Dict, List, Sequence, Set
 
 import tensorflow.compat.v1 as tf
@@ -39,6 +41,9 @@ _VARIABLE_READS = frozenset([
     "VarIsInitializedOp", "IsVariableInitialized"])
 
 _REGULARIZER = "/Regularizer/"
+# A Keras weight regularizer's ops, ``<weight>/Regularizer[_k]/...``, made
+# anew wherever ``model.losses`` is read: known by the weight they are of.
+_WEIGHT_REGULARIZER = re.compile(r"/Regularizer(_\d+)?/")
 
 _FIX = ("Build each tower's loss from its own tensors: "
         "tf.losses.get_total_loss(add_regularization_losses=False, "
@@ -76,8 +81,12 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
                for t in op.outputs]
     for op in descendants(starts):
       owners[op].append(j)
-  regularization = _regularization_keys(
-      tf.get_collection(tf.GraphKeys.REGULARIZATION_LOSSES))
+  collected = tf.get_collection(tf.GraphKeys.REGULARIZATION_LOSSES)
+  regularization = _regularization_keys(collected)
+  # The collection's own ops; the rest of a weight's regularizer ops are
+  # Keras's (model.losses).
+  in_collection = {op for loss in collected if isinstance(loss, tf.Tensor)
+                   for op in ancestors(loss.op)}
   reached_regularization: List[Set[object]] = []
   for i, (loss, scope) in enumerate(zip(losses, scopes)):
     reached = ancestors(loss.op)
@@ -92,10 +101,15 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
           "depend on its own batch only, else the averaged gradient is "
           "wrong. Did model_fn return tf.losses.get_total_loss() or the "
           "'losses' collection, which hold the losses of the towers built "
-          "before it? %s" % (_tower(scope), _tower(scopes[owner]), op.name,
-                             _FIX))
+          "before it, or a Keras model's model.losses, which holds every "
+          "call's activity regularization? %s; for the Keras model, "
+          "tf.add_n(model.get_losses_for(None) + model.get_losses_for("
+          "inputs))" % (_tower(scope), _tower(scopes[owner]), op.name, _FIX))
     reached_regularization.append(
-        {_regularization_key(op) for op in reached} & set(regularization))
+        ({_regularization_key(op) for op in reached} & set(regularization)) |
+        _regularized_weights(
+            [op for op in reached if op not in in_collection and
+             _regularization_key(op) not in regularization], scope))
   for i in range(1, len(losses)):
     has, lacks = 0, i
     extra = reached_regularization[0] - reached_regularization[i]
@@ -107,9 +121,10 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
           "the towers' losses include different regularization losses: "
           "%s's includes %s, %s's does not. A regularizer runs once, when "
           "tower 0 creates the variable, so a loss that sums its own scope's "
-          "collection counts it in tower 0 only. %s"
+          "collection counts it in tower 0 only; a Keras model's "
+          "model.losses belongs in every tower's loss. %s"
           % (_tower(scopes[has]),
-             ", ".join(sorted(regularization[k] for k in extra)),
+             ", ".join(sorted(regularization.get(k, k) for k in extra)),
              _tower(scopes[lacks]), _FIX))
   made = _regularization_keys(created)
   dropped = sorted(name for k, name in made.items()
@@ -143,6 +158,19 @@ def _regularization_keys(losses: Sequence[object]) -> Dict[object, str]:
       key = _regularization_key(op)
       keys[key] = key.rstrip("/") if isinstance(key, str) else op.name
   return keys
+
+
+def _regularized_weights(reached: Sequence[tf.Operation],
+                         scope: str) -> Set[str]:
+  """The weights whose Keras-style regularizer ops are among `reached`,
+  named without the tower's scope."""
+  weights = set()
+  for op in reached:
+    match = _WEIGHT_REGULARIZER.search(op.name)
+    if match:
+      name = op.name[:match.start()]
+      weights.add(name[len(scope):] if name.startswith(scope) else name)
+  return weights
 
 
 def _regularization_key(op: tf.Operation) -> object:
