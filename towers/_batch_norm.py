@@ -106,7 +106,7 @@ def batch_normalization(inputs,
   # Broadcast against the input: one value per feature along `axes`.
   broadcast = [dims[i] if i in axes else 1 for i in range(rank)]
   context = _context.tower_context()
-  with _context.layer_scope(name, _DEFAULT_NAME, reuse):
+  with tf.variable_scope(name, default_name=_DEFAULT_NAME, reuse=reuse):
     gamma = tf.get_variable(
         "gamma", shape, compute_dtype, initializer=gamma_initializer,
         regularizer=gamma_regularizer, constraint=gamma_constraint,

@@ -163,10 +163,6 @@ class Group:
     self._calls = [0] * len(devices)
     # The last member launched on each device.
     self.launched: Dict[str, tf.Operation] = {}
-    # The names tower 0's layers took by default, in order, and how many
-    # each tower has taken (`layer_scope`).
-    self.default_names: List[str] = []
-    self.named = [0] * len(devices)
 
   @contextlib.contextmanager
   def tower(self, index: int, scope: str, share: Share) -> Iterator[None]:
@@ -283,33 +279,6 @@ class Group:
       other._add_control_input(output.op)  # pylint: disable=protected-access
     self._results[k][index] = result.op
     return result
-
-
-@contextlib.contextmanager
-def layer_scope(name: Optional[str], default_name: str,
-                reuse=None) -> Iterator[tf.VariableScope]:
-  """A layer's variable scope, ``tf.variable_scope(name, default_name)``,
-  with tower 0's default names in every tower.
-
-  ``tf.layers``' default names (``batch_normalization``, ``_1``, ...) count
-  on across towers, so tower 1's first layer would look for tower 0's
-  second layer's variables. Here the k-th unnamed layer of tower ``i``
-  takes the name tower 0's k-th took.
-  """
-  context = tower_context()
-  group, index = None, 0
-  if context is not None and name is None:
-    group, index = context._group, context.index  # pylint: disable=protected-access
-  default: Optional[str] = default_name
-  if group is not None and index > 0:
-    k = group.named[index]
-    group.named[index] += 1
-    if k < len(group.default_names):
-      name, default = group.default_names[k], None
-  with tf.variable_scope(name, default_name=default, reuse=reuse) as scope:
-    if group is not None and index == 0:
-      group.default_names.append(scope.name.rsplit("/", 1)[-1])
-    yield scope
 
 
 def launched_before(tensors: Sequence[object]) -> Dict[str, tf.Operation]:

@@ -14,12 +14,14 @@ from towers import _devices
 from towers import _gradients
 from towers import _inputs
 from towers import _isolation
+from towers import _names
 from towers import _placement
 from towers import _precision
 from towers import _regularization
 from towers import _replay
 from towers import _replicas
 from towers import _staging
+from towers import _updates
 from towers import _workers
 
 Towers = collections.namedtuple("Towers", [
@@ -119,12 +121,18 @@ def build_towers(model_fn: Callable[..., object],
     num_workers = _workers.check(num_workers, mine, replicated, all_reduce)
     _workers.register(mine, num_workers)
   if replicated:
-    all_reduce = _allreduce.resolve(all_reduce,
-                                    _check_devices(devices, num_gpus))
+    devices = _check_devices(devices, num_gpus)
+    all_reduce = _allreduce.resolve(all_reduce, devices)
   first_vars: List[tf.Variable] = []
 
   def tower(index, scope, batch, check):
+    start = _replay.last_op_id()
     loss, output = _check_result(model_fn(scope, *batch), scope)
+    # A Keras layer's updates (batch norm's), which nothing would run.
+    _updates.collect(start, scope, loss, output)
+    if replicated and index > 0:
+      # A Keras model's variables, which tf.get_variable did not copy.
+      _replicas.read_copies(index, devices[index], scope, start)
     # Weight decay's ops next to their variables, not on the tower (a
     # replicated tower's copies are on its own device already).
     terms = {} if replicated else _regularization.place(loss, batch, scope)
@@ -137,7 +145,7 @@ def build_towers(model_fn: Callable[..., object],
     # Only the final tower's summaries are kept: the towers' would share
     # tags once the tower prefix is stripped.
     summaries = tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
-    start = _replay.last_op_id()
+    made = _replay.last_op_id()
     if index > 0 and replicated:
       kwargs = dict(compute_gradients_kwargs)
       kwargs.pop("var_list", None)
@@ -146,7 +154,7 @@ def build_towers(model_fn: Callable[..., object],
     else:
       grads = opt.compute_gradients(loss, **compute_gradients_kwargs)
       first_vars.extend(v for _, v in grads)
-    _regularization.split(grads, start, terms)
+    _regularization.split(grads, made, terms)
     return loss, output, grads, update_ops, summaries
 
   regularization = tf.get_collection_ref(tf.GraphKeys.REGULARIZATION_LOSSES)
@@ -236,32 +244,31 @@ def run_towers(tower_fn: Callable[[int, str, List[object],
   group = _context.Group(devices, uniform=not sized and (
       weights is None or _gradients.is_uniform(weights)), device_check=check)
   results, scopes, batches, sizes = [], [], [], []
-  # No auxiliary name scope: re-entering the caller's variable scope would
-  # otherwise open its name scope again inside itself (model/model/tower_0).
-  with tf.variable_scope(tf.get_variable_scope(), auxiliary_name_scope=False):
-    for i, device in enumerate(devices):
-      known = len(trainable)
-      copies = _replicas.tower_copies(i, device) if replicated \
-          else contextlib.nullcontext()
-      with _placement.tower_placement(device, placer), copies, \
-          tf.name_scope(names[i]) as scope:
-        batch = staged[i] if staged else _inputs.tower_batch(inputs, shards, i)
-        size = _inputs.batch_size(batch) if sized else None
-        sizes.append(size)
-        # The tower's share of the global batch, for the gradient of its
-        # cross-tower sums: its weight, or for a callable input its batch
-        # size (the weight times the same factor in every tower).
-        share = weights[i] if weights is not None else (
-            1.0 if size is None else size)
-        with group.tower(i, scope, share), \
-            _precision.master_weights(compute_dtype):
-          results.append(tower_fn(i, scope, batch, check))
-        if i > 0 and len(trainable) > known:
-          raise _unshared_variable_error(trainable[known], scope)
-        # Later towers reuse tower 0's variables.
-        tf.get_variable_scope().reuse_variables()
-      scopes.append(scope)
-      batches.append(batch)
+  outer = tf.get_variable_scope()
+  requested: List[str] = []
+  for i, device in enumerate(devices):
+    known = len(trainable)
+    copies = _replicas.tower_copies(i, device) if replicated \
+        else contextlib.nullcontext()
+    with _names.tower_variable_scope(
+        outer, i, names[i].rstrip("/"), requested), \
+        _placement.tower_placement(device, placer), copies, \
+        tf.name_scope(names[i]) as scope, _names.single_device_names(scope, i):
+      batch = staged[i] if staged else _inputs.tower_batch(inputs, shards, i)
+      size = _inputs.batch_size(batch) if sized else None
+      sizes.append(size)
+      # The tower's share of the global batch, for the gradient of its
+      # cross-tower sums: its weight, or for a callable input its batch
+      # size (the weight times the same factor in every tower).
+      share = weights[i] if weights is not None else (
+          1.0 if size is None else size)
+      with group.tower(i, scope, share), \
+          _precision.master_weights(compute_dtype):
+        results.append(tower_fn(i, scope, batch, check))
+      if i > 0 and len(trainable) > known:
+        raise _unshared_variable_error(trainable[known], scope)
+    scopes.append(scope)
+    batches.append(batch)
   group.check_complete()
   if weights is None:
     weights = _inputs.size_weights(sizes) if sized else [
@@ -383,4 +390,7 @@ def _unshared_variable_error(var: tf.Variable, scope: str) -> ValueError:
       "the towers would not share it and only one tower would train it. "
       "Create variables with tf.get_variable (or tf.compat.v1.layers) so "
       "that variable_scope reuse shares them, not with tf.Variable or a "
-      "module built anew in every tower" % (scope.rstrip("/"), var.name))
+      "module built anew in every tower; a Keras layer or model makes new "
+      "weights on each call of model_fn that builds it: build it once, "
+      "outside model_fn, and call it in model_fn"
+      % (scope.rstrip("/"), var.name))
