@@ -14,7 +14,11 @@ differ (docs/pitfalls.md, P36). So that every machine runs the same kernels,
 imported; the scripts the tests start inherit it.
 """
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -59,3 +63,29 @@ def mnist_dir():
     pytest.skip("the real MNIST files are not in %s (set TOWERS_MNIST_DIR)"
                 % os.path.abspath(path))
   return os.path.abspath(path)
+
+
+@pytest.fixture(scope="session")
+def legacy_keras_run(pytestconfig):
+  """Runs a script of tests/ in a process of its own under
+  TF_USE_LEGACY_KERAS=1 (which must be set before TensorFlow is imported),
+  with this run's kind of variables, and returns its last line's JSON; skips
+  where TensorFlow has Keras 3 and tf_keras is missing."""
+  version = tf.__version__.split(".")[:2]
+
+  def run(script, timeout):
+    if tuple(map(int, version)) >= (2, 16) and importlib.util.find_spec(
+        "tf_keras") is None:
+      pytest.skip("TensorFlow %s has Keras 3 and tf_keras is not installed: "
+                  "pip install tf_keras==%s.*" % (tf.__version__,
+                                                  ".".join(version)))
+    args = [sys.executable, os.path.join(os.path.dirname(__file__), script)]
+    if pytestconfig.getoption("--ref-variables"):
+      args.append("--ref-variables")
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run(args, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+  return run

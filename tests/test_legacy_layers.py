@@ -5,36 +5,12 @@ they come from the tf_keras package under TF_USE_LEGACY_KERAS=1. Older
 TensorFlow has them built in.
 """
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-import tensorflow as tf2
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _keras_3():
-  return tuple(map(int, tf2.__version__.split(".")[:2])) >= (2, 16)
 
 
 @pytest.fixture(scope="module")
-def result(pytestconfig):
-  if _keras_3() and importlib.util.find_spec("tf_keras") is None:
-    pytest.skip("TensorFlow %s has Keras 3 and tf_keras is not installed: "
-                "pip install tf_keras==%s.*" % (
-                    tf2.__version__, ".".join(tf2.__version__.split(".")[:2])))
-  args = [sys.executable, os.path.join(HERE, "legacy_layers_run.py")]
-  if pytestconfig.getoption("--ref-variables"):
-    args.append("--ref-variables")
-  env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
-  done = subprocess.run(args, env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert done.returncode == 0, done.stderr[-3000:]
-  return json.loads(done.stdout.strip().splitlines()[-1])
+def result(legacy_keras_run):
+  return legacy_keras_run("legacy_layers_run.py", timeout=300)
 
 
 def test_layers_model_gives_the_single_device_gradient(result):
