@@ -173,8 +173,8 @@ def test_the_docs_have_snippets():
 def test_snippet_runs_to_the_end(where):
   code = SNIPPETS[where]
   keras_3 = tuple(map(int, tf2.__version__.split(".")[:2])) >= (2, 16)
-  if "tf.layers." in code and keras_3 and importlib.util.find_spec(
-      "tf_keras") is None:
+  legacy = "tf.layers." in code or "tf.keras." in code
+  if legacy and keras_3 and importlib.util.find_spec("tf_keras") is None:
     pytest.skip("TensorFlow %s has Keras 3 and tf_keras is not installed"
                 % tf2.__version__)
   if "tf.estimator." in code and not hasattr(tf2.compat.v1, "estimator"):
