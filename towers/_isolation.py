@@ -124,7 +124,7 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
           "collection counts it in tower 0 only; a Keras model's "
           "model.losses belongs in every tower's loss. %s"
           % (_tower(scopes[has]),
-             ", ".join(sorted(regularization.get(k, k) for k in extra)),
+             ", ".join(sorted(regularization.get(k, str(k)) for k in extra)),
              _tower(scopes[lacks]), _FIX))
   made = _regularization_keys(created)
   dropped = sorted(name for k, name in made.items()
