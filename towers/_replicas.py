@@ -121,15 +121,17 @@ def _copy(next_getter, primary: tf.Variable, index: int,
   return copy
 
 
-def read_copies(index: int, device: str, scope: str, after: int) -> None:
-  """Makes tower `index`'s ops made after op `after` in `scope` read copy
-  `index` (on `device`) of each trainable variable they read copy 0 of."""
+def read_copies(index: int, device: str, scope: str,
+                made: List[tf.Operation]) -> None:
+  """Makes those of `made` (the ops tower `index`'s model function made) in
+  `scope` read copy `index` (on `device`) of each trainable variable they
+  read copy 0 of."""
   primaries: Dict[str, Tuple[tf.Variable, bool]] = {}
   for var in tf.trainable_variables():
     primaries[var.op.outputs[0].name] = (var, False)
     if var.op.type != "VarHandleOp":
       primaries[var.value().name] = (var, True)
-  for op in _replay.made_after(after):
+  for op in made:
     if not op.name.startswith(scope):
       continue
     for k, tensor in enumerate(op.inputs):

@@ -128,11 +128,12 @@ def build_towers(model_fn: Callable[..., object],
   def tower(index, scope, batch, check):
     start = _replay.last_op_id()
     loss, output = _check_result(model_fn(scope, *batch), scope)
+    made_by_model = _replay.made_after(start)
     # A Keras layer's updates (batch norm's), which nothing would run.
-    _updates.collect(start, scope, loss, output)
+    _updates.collect(made_by_model, scope, loss, output)
     if replicated and index > 0:
       # A Keras model's variables, which tf.get_variable did not copy.
-      _replicas.read_copies(index, devices[index], scope, start)
+      _replicas.read_copies(index, devices[index], scope, made_by_model)
     # Weight decay's ops next to their variables, not on the tower (a
     # replicated tower's copies are on its own device already).
     terms = {} if replicated else _regularization.place(loss, batch, scope)

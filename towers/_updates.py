@@ -3,9 +3,10 @@
 A Keras ``BatchNormalization`` called in graph mode makes the assignments of
 its moving statistics and keeps them in ``model.updates``, a Python list, not
 in ``UPDATE_OPS``: on towers nothing runs them, so the statistics would stay
-at their initial values. A variable write that a tower makes and that no op,
-collection or output of ``model_fn`` refers to can only be such an update:
-it joins ``UPDATE_OPS``, so tower 0's run once per step like ``tf.layers``'.
+at their initial values. A write of a global variable that a tower makes and
+that no op, collection or output of ``model_fn`` refers to can only be such
+an update: it joins ``UPDATE_OPS``, so tower 0's run once per step like
+``tf.layers``'.
 ``model.updates`` then holds every tower's, and must not be run as well.
 """
 
@@ -13,18 +14,16 @@ from typing import Iterator, List, Set
 
 import tensorflow.compat.v1 as tf
 
-from towers import _replay
-
 # Ops that write a variable (resource and ref).
 WRITES = frozenset(["AssignVariableOp", "AssignAddVariableOp",
                     "AssignSubVariableOp", "Assign", "AssignAdd", "AssignSub"])
 
 
-def collect(after: int, scope: str, loss: tf.Tensor, outputs: object) -> None:
-  """Adds to ``UPDATE_OPS`` the writes of global variables made in `scope`
-  after op `after` that nothing runs: neither the loss, nor `outputs`, a
-  collection or a variable's initializer depends on them."""
-  made = _replay.made_after(after)
+def collect(made: List[tf.Operation], scope: str, loss: tf.Tensor,
+            outputs: object) -> None:
+  """Adds to ``UPDATE_OPS`` the writes of global variables among `made` (the
+  ops `model_fn` made) in `scope` that nothing runs: neither the loss, nor
+  `outputs`, a collection or a variable's initializer depends on them."""
   writes = [op for op in made if op.type in WRITES and
             op.name.startswith(scope)]
   if not writes:
