@@ -12,7 +12,8 @@ import towers
 
 def test_public_surface_is_pinned():
   assert sorted(towers.__all__) == [
-      "GradsAndVars", "TowerContext", "Towers", "apply_gradients",
+      "GradsAndVars", "TowerContext", "Towers", "accumulate_gradients",
+      "apply_gradients",
       "average_gradients", "batch_normalization", "broadcast_variables",
       "build_towers", "infer", "minimize", "tower_context", "tower_devices",
       "virtual_cpu_config"]
@@ -25,7 +26,7 @@ def test_towers_fields():
   assert towers.Towers._fields == (
       "losses", "loss", "tower_grads", "weights", "scopes", "devices",
       "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce",
-      "loss_scale")
+      "loss_scale", "batch_size", "applies")
 
 
 def test_import_has_no_side_effects():

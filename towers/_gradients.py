@@ -91,7 +91,7 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
   replicated towers, each other copy's pairs (its replicated variables
   only). One copy: a list of one list.
   """
-  _check_tower_grads(tower_grads)
+  check_tower_grads(tower_grads)
   weights = _check_weights(weights, len(tower_grads))
   pack_bytes = _packing.check_pack_bytes(pack_bytes)
   replicated = [pairs for pairs in zip(*tower_grads)
@@ -385,7 +385,7 @@ def _var_name(var) -> str:
   return getattr(var, "name", repr(var))
 
 
-def _check_tower_grads(tower_grads) -> None:
+def check_tower_grads(tower_grads) -> None:
   if not isinstance(tower_grads, (list, tuple)):
     raise TypeError("expected tower_grads to be a list over towers of "
                     "(grad, var) lists, got %r" % (tower_grads,))

@@ -143,6 +143,24 @@ def size_weights(sizes: List[Optional[Weight]]) -> List[Weight]:
   return [c / total for c in counts]
 
 
+def total_size(inputs: Inputs,
+               sizes: Sequence[Optional[Weight]]) -> Optional[Weight]:
+  """The global batch's number of examples: a float when static, else a
+  scalar float32 tensor; None when a tower's batch has no size.
+
+  `sizes` are the towers' `batch_size`s, or Nones where `inputs` (a global
+  batch, or None) were split.
+  """
+  if inputs is not None and not callable(inputs) and None in sizes:
+    return batch_size(as_args(inputs))
+  if any(s is None for s in sizes):
+    return None
+  static = [s for s in sizes if isinstance(s, float)]
+  if len(static) == len(sizes):
+    return float(sum(static))
+  return tf.add_n([tf.cast(s, tf.float32) for s in sizes])
+
+
 def batch_size(batch: List[object]) -> Optional[Weight]:
   """Axis 0 of the first tensor of rank >= 1 in `batch`: a float when
   static, else a scalar float32 tensor; None if it holds no such tensor."""

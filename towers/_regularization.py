@@ -133,16 +133,16 @@ def split(grads_and_vars: Sequence[Tuple[object, tf.Variable]], after: int,
     data = [t for t in grad.op.inputs if t.op.name not in moved]
     decay = [t for t in grad.op.inputs if t.op.name in moved]
     if data and decay:
-      _record(grad, data, decay)
+      record(grad, data, decay)
       # TensorFlow colocates the sum with its first input, which the
       # placer then holds the moved part to, wherever it was put.
       if "_class" in grad.op.node_def.attr:
         grad.op._clear_attr("_class")  # pylint: disable=protected-access
 
 
-def _record(grad: tf.Tensor, data: List[tf.Tensor],
-            decay: List[tf.Tensor]) -> None:
-  """Records that `grad` is the sum of `data` and `decay`."""
+def record(grad: tf.Tensor, data: List[tf.Tensor],
+           decay: List[tf.Tensor]) -> None:
+  """Records that `grad` is the sum of `data` and `decay` (for `parts`)."""
   if len(data) > 1:
     with tf.device(grad.device):
       data_part = tf.add_n(data)

@@ -13,7 +13,8 @@ so are ops that read only a replaced tensor's shape: the copies' shapes are
 copy 0's, and a random op fed by a shape then draws once for every copy.
 """
 
-from typing import Dict, List, Sequence, Set
+import contextlib
+from typing import Dict, Iterator, List, Sequence, Set
 
 import tensorflow.compat.v1 as tf
 
@@ -54,6 +55,8 @@ def replay(targets: Sequence[tf.Tensor], replaced: Dict[str, tf.Tensor],
     if not _replayable(op) or any(t.op.name in blocked for t in op.inputs):
       blocked.add(op.name)
   graph = tf.get_default_graph()
+  # pylint: disable-next=protected-access
+  context = graph._get_control_flow_context()
   built: Dict[str, tf.Tensor] = dict(replaced)
   ops: Dict[str, tf.Operation] = {}
   for op in order:
@@ -62,10 +65,12 @@ def replay(targets: Sequence[tf.Tensor], replaced: Dict[str, tf.Tensor],
     inputs = [built.get(t.name, t) for t in op.inputs]
     controls = [ops.get(c.name, c) for c in op.control_inputs]
     attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
-    # No outer control dependency or control-flow context: the op waits for
-    # what the original waited for, no more.
-    with tf.control_dependencies(None), tf.control_dependencies(controls), \
-        tf.device(device), tf.name_scope(None):
+    # No outer control dependency: the op waits for what the original waited
+    # for, no more. It stays in the caller's condition, if any (an
+    # accumulated step's apply).
+    with tf.control_dependencies(None), _in_context(graph, context), \
+        tf.control_dependencies(controls), tf.device(device), \
+        tf.name_scope(None):
       new = graph.create_op(
           op.type, inputs, [t.dtype for t in op.outputs],
           input_types=[t.dtype for t in op.inputs], name=prefix + op.name,
@@ -76,6 +81,19 @@ def replay(targets: Sequence[tf.Tensor], replaced: Dict[str, tf.Tensor],
       built[old.name] = tensor
   return [t if t.op.name in blocked else built.get(t.name, t)
           for t in targets]
+
+
+@contextlib.contextmanager
+def _in_context(graph: tf.Graph, context) -> Iterator[None]:
+  """Enters control-flow context `context` (which
+  ``tf.control_dependencies(None)`` leaves)."""
+  # pylint: disable=protected-access
+  outer = graph._get_control_flow_context()
+  graph._set_control_flow_context(context)
+  try:
+    yield
+  finally:
+    graph._set_control_flow_context(outer)
 
 
 def last_op_id() -> int:

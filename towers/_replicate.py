@@ -27,7 +27,7 @@ from towers import _workers
 Towers = collections.namedtuple("Towers", [
     "losses", "loss", "tower_grads", "weights", "scopes", "devices",
     "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce",
-    "loss_scale"])
+    "loss_scale", "batch_size", "applies"])
 Towers.__doc__ = """What `build_towers` built.
 
 Fields:
@@ -53,6 +53,13 @@ Fields:
     towers share one copy of each variable.
   loss_scale: from `minimize` with loss scaling, the scale the step's losses
     were multiplied by (a scalar float32 tensor, to log); else None.
+  batch_size: the global batch's number of examples (this worker's): a
+    Python float when static, a scalar float32 tensor when known only at
+    run time, None when `model_fn` reads its own inputs.
+  applies: from `minimize`, a scalar bool tensor: whether the next run of
+    the train op applies an update (every k-th with `accumulate_steps=k`;
+    fetched with the train op, whether that run does). None from
+    `build_towers`.
 """
 
 
@@ -175,11 +182,12 @@ def build_towers(model_fn: Callable[..., object],
                 summaries=summaries[-1], update_ops=update_ops[0],
                 outputs=list(outputs), grads_and_vars=None,
                 all_reduce=all_reduce if replicated else None,
-                loss_scale=None)
+                loss_scale=None, batch_size=built.batch_size, applies=None)
 
 
 Built = collections.namedtuple("Built", [
-    "results", "scopes", "devices", "batches", "weights", "device_check"])
+    "results", "scopes", "devices", "batches", "weights", "device_check",
+    "batch_size"])
 
 
 def run_towers(tower_fn: Callable[[int, str, List[object],
@@ -206,7 +214,8 @@ def run_towers(tower_fn: Callable[[int, str, List[object],
 
   Returns:
     A `Built`: ``[num_towers]`` results of `tower_fn`, the scopes, the
-    devices, each tower's share of the global batch and the device check.
+    devices, each tower's share of the global batch, the device check and
+    the global batch's size.
 
   Raises:
     RuntimeError: under eager execution.
@@ -275,7 +284,8 @@ def run_towers(tower_fn: Callable[[int, str, List[object],
     weights = _inputs.size_weights(sizes) if sized else [
         1.0 / num_towers] * num_towers
   return Built(results=results, scopes=scopes, devices=devices,
-               batches=batches, weights=weights, device_check=check)
+               batches=batches, weights=weights, device_check=check,
+               batch_size=_inputs.total_size(inputs, sizes))
 
 
 def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
