@@ -89,6 +89,13 @@ SETUPS = {
         task_index, num_workers, towers_per_worker = 0, 1, 2
         global_step = tf.train.get_or_create_global_step()
         """),
+    # Accumulation: towers that each read their own batch.
+    "accumulate_steps=4": textwrap.dedent("""
+        num_gpus = 2
+        global_step = tf.train.get_or_create_global_step()
+        next_batch = tf.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensors(batch).repeat()).get_next
+        """),
     # Fine-tuning: a pretrained checkpoint of bert/, a model with a new head.
     "tf.train.init_from_checkpoint(pretrained, assignment_map)":
         textwrap.dedent("""

@@ -182,6 +182,23 @@ def test_one_tower_per_worker_equals_one_worker_of_two(pytestconfig,
   assert _gap(chief, _load(tmp_path / "w1.npz")) == 0.0
 
 
+def test_accumulated_micro_batches_across_workers_equal_one_worker_of_four(
+    pytestconfig, tmp_path):
+  flags = ("--steps", 4, "--accumulate_steps", 3)
+  procs = _cluster(pytestconfig, tmp_path, "w", 2, flags=flags)
+  procs.append(_start(pytestconfig, tmp_path / "ref.npz", "--towers", 4,
+                      *flags))
+  results = _finish(procs)
+  chief = _load(tmp_path / "w0.npz")
+  # 4 updates of 3 micro-batches each: the global step counts updates.
+  assert list(chief["global_step"]) == list(range(5))
+  assert float(np.max(np.abs(chief["w1"][-1] - chief["w1"][0]))) > 1e-3
+  assert _gap(chief, _load(tmp_path / "ref.npz")) == 0.0
+  assert _gap(chief, _load(tmp_path / "w1.npz")) == 0.0
+  assert [r["global_step"] for r in results] == [4, 4, 4]
+  assert all(r["copies_gap"] == 0.0 for r in results)
+
+
 def test_a_missing_peer_fails_the_step_under_the_operation_timeout(
     pytestconfig, tmp_path):
   # Worker 0 (the group leader) alone: its first collective waits for

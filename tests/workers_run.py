@@ -3,8 +3,9 @@ loopback (``--ports``), or the one-worker reference (no ``--ports``).
 
 It trains a small model (a dense layer, an embedding whose gradient is
 sparse, a synchronized batch norm, Momentum) on a fixed global batch per
-step, worker ``k`` taking the ``k``-th slice, and writes every global
-variable after each step to ``--out`` (an ``.npz``: ``name -> [steps + 1,
+step (``--accumulate_steps`` of them per update), worker ``k`` taking the
+``k``-th slice, and writes every global variable after each update to
+``--out`` (an ``.npz``: ``name -> [steps + 1,
 ...]``, row 0 being the values the first step starts from). The last line
 of its output is JSON: the largest gap between a replicated copy and copy
 0, and the global step.
@@ -35,6 +36,7 @@ def main() -> None:
   parser.add_argument("--save", default=None)
   parser.add_argument("--timeout_ms", type=int, default=120000)
   parser.add_argument("--variable_device", default="replicated")
+  parser.add_argument("--accumulate_steps", type=int, default=1)
   parser.add_argument("--ref-variables", action="store_true")
   args = parser.parse_args()
   if args.ref_variables:
@@ -87,7 +89,8 @@ def main() -> None:
       inputs=(x, ids, y), devices=devices,
       variable_device=args.variable_device,
       all_reduce="collective" if args.variable_device == "replicated"
-      else "auto", num_workers=workers, global_step=global_step)
+      else "auto", num_workers=workers, global_step=global_step,
+      accumulate_steps=args.accumulate_steps)
   with tf.control_dependencies([tf.train.Scaffold.default_local_init_op()]):
     sync = towers.broadcast_variables()
   saver = tf.train.Saver()
@@ -112,13 +115,15 @@ def main() -> None:
         gap = max(gap, float(np.max(np.abs(a - b))))
       if step == args.steps:
         break
-      batch = GLOBAL_TOWERS * PER_TOWER
-      feed_x = data.randn(batch, 6).astype(np.float32)
-      feed_ids = data.randint(0, 10, batch).astype(np.int32)
-      feed_y = data.randint(0, 3, batch).astype(np.int32)
-      part = slice(args.task * per_worker, (args.task + 1) * per_worker)
-      sess.run(train_op, {x: feed_x[part], ids: feed_ids[part],
-                          y: feed_y[part]})
+      # With accumulation, a step is that many micro-batches.
+      for _ in range(args.accumulate_steps):
+        batch = GLOBAL_TOWERS * PER_TOWER
+        feed_x = data.randn(batch, 6).astype(np.float32)
+        feed_ids = data.randint(0, 10, batch).astype(np.int32)
+        feed_y = data.randint(0, 3, batch).astype(np.int32)
+        part = slice(args.task * per_worker, (args.task + 1) * per_worker)
+        sess.run(train_op, {x: feed_x[part], ids: feed_ids[part],
+                            y: feed_y[part]})
     if args.save:
       saver.save(sess, args.save, write_meta_graph=False)
     final_step = int(sess.run(global_step))

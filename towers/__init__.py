@@ -1,5 +1,6 @@
 """In-graph multi-GPU data parallelism for TensorFlow 1.x-style graphs."""
 
+from towers._accumulate import accumulate_gradients
 from towers._apply import apply_gradients
 from towers._batch_norm import batch_normalization
 from towers._broadcast import broadcast_variables
@@ -20,6 +21,7 @@ __all__ = [
     "GradsAndVars",
     "TowerContext",
     "Towers",
+    "accumulate_gradients",
     "apply_gradients",
     "average_gradients",
     "batch_normalization",

@@ -1,9 +1,10 @@
 """The whole step: build the towers, average, clip, apply once."""
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
+from towers import _accumulate
 from towers import _apply
 from towers import _gradients
 from towers import _loss_scale
@@ -21,38 +22,50 @@ def minimize(model_fn: Callable[..., object],
              average_device: Optional[str] = None,
              pack_bytes: int = _packing.DEFAULT_PACK_BYTES,
              loss_scale: _loss_scale.LossScaleSpec = None,
+             accumulate_steps: int = 1,
              **build_towers_kwargs) -> Tuple[tf.Operation, _replicate.Towers]:
   """Builds the towers and one synchronous training step over all of them.
 
   The seed's step in one call: `build_towers`, `average_gradients` with the
   towers' weights (also waiting for the update ops and the losses, so a
   loss fetched with the step is the one before it), optionally a clip of
-  the averaged gradients by their global norm, then `apply_gradients`.
+  the averaged gradients by their global norm, then `apply_gradients`;
+  with `accumulate_steps`, that step runs through `accumulate_gradients`.
   See docs/api.md for the long form.
 
   Args:
     model_fn: as for `build_towers`.
     opt: a ``tf.compat.v1.train.Optimizer``.
     num_gpus: the number of towers.
-    global_step: incremented by one per step when given.
+    global_step: incremented by one per applied update when given.
     clip_norm: if set, the global norm the averaged gradients are clipped to.
     average_device: `average_gradients`' `device`.
     pack_bytes: `average_gradients`' `pack_bytes`.
     loss_scale: ``'dynamic'``, a positive number, or None (dynamic for
       float16 towers): steps whose gradients are not finite apply nothing.
+    accumulate_steps: micro-batches per update: each run of the train op
+      runs one, every k-th also applies the update of all k together.
     **build_towers_kwargs: passed to `build_towers`.
 
   Returns:
-    ``(train_op, towers)``, with ``towers.grads_and_vars`` the pairs applied.
+    ``(train_op, towers)``, with ``towers.grads_and_vars`` the pairs applied
+    and ``towers.applies`` whether the next run applies.
 
   Raises:
-    ValueError: for a bad `clip_norm` or `loss_scale`, no gradient at all,
-      or as `build_towers` and `average_gradients` do.
+    ValueError: for a bad `clip_norm`, `loss_scale` or `accumulate_steps`,
+      no gradient at all, or as `build_towers` and `average_gradients` do.
     TypeError: as `build_towers` and `average_gradients` do.
   """
   if clip_norm is not None and not clip_norm > 0:
     raise ValueError("expected clip_norm to be a positive number or None, got "
                      "%r" % (clip_norm,))
+  steps = _accumulate.check_steps(accumulate_steps)
+  if steps > 1 and isinstance(opt, tf.train.SyncReplicasOptimizer):
+    raise ValueError(
+        "accumulate_steps=%d sums micro-batches before one update, but "
+        "SyncReplicasOptimizer updates from queues it fills on every run; "
+        "aggregate more gradients per update with its replicas_to_aggregate "
+        "instead, or drop accumulate_steps" % steps)
   loss_scale = _loss_scale.check(
       loss_scale, opt, _precision.check_compute_dtype(
           build_towers_kwargs.get("compute_dtype")))
@@ -60,34 +73,47 @@ def minimize(model_fn: Callable[..., object],
   towers = _replicate.build_towers(
       model_fn, opt if scale is None else _loss_scale.ScaledGradients(
           opt, scale), num_gpus, **build_towers_kwargs)
-  # The update ops and the losses join the averaging barrier rather than
-  # wrapping apply_gradients in control_dependencies: optimizers such as
-  # SyncReplicasOptimizer build queues inside apply_gradients, and a queue
-  # that depended on the towers would pull an input batch whenever its queue
-  # runner touched it.
-  grads = _gradients.average_gradients(
-      towers.tower_grads, towers.weights, device=average_device,
-      control_inputs=list(towers.update_ops) + towers.losses,
-      all_reduce=towers.all_reduce, pack_bytes=pack_bytes)
-  if all(g is None for g, _ in grads):
+  if all(g is None for g, _ in towers.tower_grads[0]):
     raise ValueError(
         "no variable has a gradient: none of %s reaches the towers' loss"
-        % ", ".join(v.name for _, v in grads))
-  if scale is not None:
-    grads, finite = scale.unscale(grads)
-  if clip_norm is not None:
-    grads = _clip_by_global_norm(grads, clip_norm)
-  # What apply_gradients does, with every copy's gradients built before a
-  # loss scale's condition, so that only the update is conditional.
-  groups = _apply.per_copy(grads)
+        % ", ".join(v.name for _, v in towers.tower_grads[0]))
+  applied: List[_gradients.GradsAndVars] = []
 
-  def apply() -> tf.Operation:
-    return _apply.apply_per_copy(_apply.original_apply(opt), groups,
-                                 global_step, None)
+  def step(tower_grads: List[_gradients.GradsAndVars],
+           weights: List[_gradients.Weight],
+           control_inputs: Sequence[object] = ()) -> tf.Operation:
+    grads = _gradients.average_gradients(
+        tower_grads, weights, device=average_device,
+        control_inputs=control_inputs, all_reduce=towers.all_reduce,
+        pack_bytes=pack_bytes)
+    if scale is not None:
+      grads, finite = scale.unscale(grads)
+    if clip_norm is not None:
+      grads = _clip_by_global_norm(grads, clip_norm)
+    applied.append(grads)
+    # What apply_gradients does, with every copy's gradients built before a
+    # loss scale's condition, so that only the update is conditional.
+    groups = _apply.per_copy(grads)
 
-  train_op = apply() if scale is None else scale.apply(finite, apply)
+    def apply() -> tf.Operation:
+      return _apply.apply_per_copy(_apply.original_apply(opt), groups,
+                                   global_step, None)
+
+    return apply() if scale is None else scale.apply(finite, apply)
+
+  if steps == 1:
+    # The update ops and the losses join the averaging barrier rather than
+    # wrapping apply_gradients in control_dependencies: optimizers such as
+    # SyncReplicasOptimizer build queues inside apply_gradients, and a queue
+    # that depended on the towers would pull an input batch whenever its
+    # queue runner touched it.
+    train_op = step(towers.tower_grads, towers.weights,
+                    list(towers.update_ops) + towers.losses)
+    applies = tf.constant(True, name="applies")
+  else:
+    train_op, applies = _accumulate.accumulate_gradients(towers, step, steps)
   return train_op, towers._replace(
-      grads_and_vars=grads,
+      grads_and_vars=applied[0], applies=applies,
       loss_scale=None if scale is None else scale.value)
 
 
