@@ -27,6 +27,8 @@ copy of its own, kept identical by the --all_reduce algorithm ('add_n',
 checkpoints are the same in every mode (copy 0 and its moving average under
 single-device names): cifar10_eval.py reads them, and a run may resume in
 another mode. --all_reduce without --variable_device=replicated is refused.
+--accumulate_steps=k sums k micro-batches of --batch_size per tower into
+each step's update (and each step of the moving averages).
 --pack_bytes (16384, towers' default; 0 turns it off) has the gradients of
 at most that many bytes (the biases and softmax_linear's weights) reduced in
 packs, in every mode: fewer transfers, the same results (bit for bit, but
@@ -128,6 +130,7 @@ Fields:
 BOUNDS = {
     "num_gpus": dict(at_least=1),
     "batch_size": dict(at_least=1),
+    "accumulate_steps": dict(at_least=1),
     "max_steps": dict(at_least=0),
     "log_frequency": dict(at_least=1),
     "save_checkpoint_steps": dict(at_least=1),
@@ -149,7 +152,8 @@ def learning_rate(global_step: tf.Tensor, examples_per_step: int,
 
   Args:
     global_step: the step counter.
-    examples_per_step: the global batch, ``batch_size * num_gpus``.
+    examples_per_step: the global batch, ``batch_size * num_gpus *
+      accumulate_steps``.
     examples_per_epoch: the training set's size (50,000 for CIFAR-10).
     initial: the learning rate before the first decay.
   """
@@ -183,7 +187,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       all_reduce: str = "auto",
                       pack_bytes: int = common.DEFAULT_PACK_BYTES,
                       use_fp16: bool = False, xla: bool = False,
-                      stage_inputs: bool = False) -> TrainGraph:
+                      stage_inputs: bool = False,
+                      accumulate_steps: int = 1) -> TrainGraph:
   """Builds the input pipeline, the towers and the step in the default graph.
 
   Everything outside the towers is built on the CPU, as in the tutorial;
@@ -214,6 +219,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     xla: whether each tower's network is built in an XLA ``jit_scope``.
     stage_inputs: whether each tower's batches are read ahead and staged
       on its device (`towers.minimize`'s ``stage_inputs``).
+    accumulate_steps: micro-batches per step (`towers.minimize`'s
+      ``accumulate_steps``); the moving averages step once per update.
 
   Returns:
     A `TrainGraph`.
@@ -221,7 +228,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
   num_towers = len(devices)
   with tf.device(CPU):
     global_step = tf.train.get_or_create_global_step()
-    lr = learning_rate(global_step, batch_size * num_towers,
+    lr = learning_rate(global_step, batch_size * num_towers * accumulate_steps,
                        examples_per_epoch, initial_learning_rate)
     if train_files is None:
       dataset = cifar10_data.fake_train_dataset(batch_size)
@@ -244,7 +251,7 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
         variable_device=variable_device, all_reduce=all_reduce,
         pack_bytes=pack_bytes, global_step=global_step,
         compute_dtype="float16" if use_fp16 else None,
-        stage_inputs=stage_inputs)
+        stage_inputs=stage_inputs, accumulate_steps=accumulate_steps)
     # The tutorial groups the averaging with the update unordered, so its
     # average may read a variable before or after the update; here it
     # always reads the updated value. (A step that loss scaling skips
@@ -252,16 +259,27 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     # towards them.)
     averages = tf.train.ExponentialMovingAverage(
         cifar10_model.MOVING_AVERAGE_DECAY, global_step)
-    with tf.control_dependencies([apply_op]):
-      averages_op = averages.apply(tf.trainable_variables())
+    if accumulate_steps == 1:
+      with tf.control_dependencies([apply_op]):
+        averages_op = averages.apply(tf.trainable_variables())
+    else:
+      # Only a run that applies an update moves the averages. Their
+      # variables are made outside the condition (an initializer cannot be
+      # inside one); the update built inside it reuses them.
+      averages.apply(tf.trainable_variables())
+      with tf.control_dependencies([apply_op]):
+        applied = tf.identity(t.applies)
+      averages_op = tf.cond(applied, lambda: tf.group(
+          averages.apply(tf.trainable_variables())), tf.no_op)
     train_op = tf.group(apply_op, averages_op, name="train_op")
-    summary_op = common.training_summaries(t, lr)
+    summary_op = common.training_summaries(t, lr, accumulate_steps)
   return TrainGraph(train_op=train_op, loss=t.loss, global_step=global_step,
                     learning_rate=lr, summary_op=summary_op, towers=t)
 
 
 def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
-          batch_size: int = 128, max_steps: int = 1000000,
+          batch_size: int = 128, accumulate_steps: int = 1,
+          max_steps: int = 1000000,
           fake_data: bool = False, log_device_placement: bool = False,
           log_frequency: int = 10, save_checkpoint_steps: int = 1000,
           save_summaries_steps: int = 100,
@@ -285,7 +303,9 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     train_dir: checkpoints and event files; a run with the same directory
       resumes from its latest checkpoint. Never deleted.
     num_gpus: the number of towers.
-    batch_size: examples per tower per step (the tutorial's 128).
+    batch_size: examples per tower per step (the tutorial's 128); per
+      micro-batch with `accumulate_steps`.
+    accumulate_steps: micro-batches summed into each step's update.
     max_steps: the global step to stop at.
     fake_data: train on synthetic images, to measure throughput only.
     log_device_placement: log every op's device.
@@ -325,7 +345,8 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     FloatingPointError: if the loss becomes NaN.
   """
   common.check_args(
-      BOUNDS, num_gpus=num_gpus, batch_size=batch_size, max_steps=max_steps,
+      BOUNDS, num_gpus=num_gpus, batch_size=batch_size,
+      accumulate_steps=accumulate_steps, max_steps=max_steps,
       log_frequency=log_frequency,
       save_checkpoint_steps=save_checkpoint_steps,
       save_summaries_steps=save_summaries_steps,
@@ -346,7 +367,8 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
     examples_per_epoch = cifar10_data.check_files(train_files)
     logging.info("Training on the %d images of %s", examples_per_epoch,
                  ", ".join(train_files))
-  common.log_batch(num_gpus, batch_size, max_steps, examples_per_epoch)
+  common.log_batch(num_gpus, batch_size, max_steps, examples_per_epoch,
+                   accumulate_steps=accumulate_steps)
   state = traindir.prepare(train_dir)
   with state.lock:
     if traindir.finished(state, train_dir, max_steps):
@@ -360,7 +382,8 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
                             variable_device=variable_device,
                             all_reduce=all_reduce, pack_bytes=pack_bytes,
                             use_fp16=use_fp16, xla=xla,
-                            stage_inputs=stage_inputs)
+                            stage_inputs=stage_inputs,
+                            accumulate_steps=accumulate_steps)
       traindir.check_restores(state, tf.global_variables())
       common.log_variables(g.towers, variable_device, all_reduce)
       common.log_packing(g.towers, pack_bytes)
@@ -370,11 +393,11 @@ def train(*, data_dir: str, train_dir: str, num_gpus: int = 1,
         return common.run_training(
             g.train_op, g.loss, g.global_step, g.summary_op,
             train_dir=train_dir, max_steps=max_steps,
-            examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
-            config=config, log_every=log_frequency,
+            examples_per_step=batch_size * num_gpus * accumulate_steps,
+            num_towers=num_gpus, config=config, log_every=log_frequency,
             save_checkpoint_steps=save_checkpoint_steps,
             save_summaries_steps=save_summaries_steps,
-            loss_scale=g.towers.loss_scale)
+            loss_scale=g.towers.loss_scale, applies=g.towers.applies)
 
 
 FLAGS = flags.FLAGS
@@ -386,6 +409,10 @@ def define_flags() -> None:
                        "virtual CPU devices stand in for missing GPUs.")
   flags.DEFINE_integer("batch_size", 128, "Examples per tower per step; the "
                        "global batch is batch_size x num_gpus.")
+  flags.DEFINE_integer("accumulate_steps", 1, "Micro-batches of batch_size "
+                       "per tower summed into each step's update: the "
+                       "global batch grows by this factor, memory does "
+                       "not.")
   flags.DEFINE_string("data_dir", "/tmp/cifar10_data", "Directory holding "
                       "cifar-10-batches-bin/ (downloaded there when absent).")
   flags.DEFINE_string("train_dir", "/tmp/cifar10_train", "Directory for "
@@ -422,6 +449,7 @@ def main(argv):
   return common.run_main(argv, lambda: train(
       data_dir=FLAGS.data_dir, train_dir=FLAGS.train_dir,
       num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,
+      accumulate_steps=FLAGS.accumulate_steps,
       max_steps=FLAGS.max_steps, fake_data=FLAGS.fake_data,
       log_device_placement=FLAGS.log_device_placement,
       log_frequency=FLAGS.log_frequency,

@@ -504,18 +504,21 @@ def check_devices(devices: Sequence[str], config: tf.ConfigProto) -> None:
 
 
 def log_batch(num_towers: int, batch_size: int, max_steps: int,
-              examples_per_epoch: int, replicas: int = 1) -> None:
+              examples_per_epoch: int, replicas: int = 1,
+              accumulate_steps: int = 1) -> None:
   """Logs the global batch and how many epochs `max_steps` steps are."""
-  per_step = replicas * num_towers * batch_size
+  per_step = replicas * num_towers * batch_size * accumulate_steps
   workers = "%d workers x " % replicas if replicas > 1 else ""
-  logging.info("%s%d towers x %d examples = %d examples per step; "
+  micro = " x %d micro-batches" % accumulate_steps \
+      if accumulate_steps > 1 else ""
+  logging.info("%s%d towers x %d examples%s = %d examples per step; "
                "--max_steps=%d is %.1f epochs of %d examples", workers,
-               num_towers, batch_size, per_step, max_steps,
+               num_towers, batch_size, micro, per_step, max_steps,
                max_steps * per_step / examples_per_epoch, examples_per_epoch)
 
 
-def training_summaries(t: towers.Towers, learning_rate: tf.Tensor
-                      ) -> tf.Tensor:
+def training_summaries(t: towers.Towers, learning_rate: tf.Tensor,
+                       accumulate_steps: int = 1) -> tf.Tensor:
   """Merges the final tower's summaries, the learning rate and histograms.
 
   Histograms are of each variable and of its averaged gradient (what
@@ -523,9 +526,11 @@ def training_summaries(t: towers.Towers, learning_rate: tf.Tensor
   scale (`towers.Towers.loss_scale`) there is a ``loss_scale`` scalar too,
   and a gradient's histogram holds its finite values only: a step whose
   gradients overflow is skipped, not an error, and a histogram of an
-  infinity would fail the step. Run by the session's summary hook in the
-  same `sess.run` as the training step, so no extra input batch is
-  consumed.
+  infinity would fail the step. With `accumulate_steps` > 1 the averaged
+  gradients exist only in a run that applies them: their histograms are
+  written by those runs (``towers.Towers.applies``). Run by the session's
+  summary hook in the same `sess.run` as the training step, so no extra
+  input batch is consumed.
   """
   # Explicit tags: tf.summary.* derive the tag from a uniquified op name, so
   # a tag equal to an existing op's name ("conv1/weights") would become
@@ -536,13 +541,25 @@ def training_summaries(t: towers.Towers, learning_rate: tf.Tensor
     summaries.append(_scalar("loss", t.loss))
     if t.loss_scale is not None:
       summaries.append(_scalar("loss_scale", t.loss_scale))
+    gradients = []
     for grad, var in t.grads_and_vars or []:
       summaries.append(_histogram(var.op.name, var))
       if grad is not None:
         values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
         if t.loss_scale is not None:
           values = tf.boolean_mask(values, tf.is_finite(values))
-        summaries.append(_histogram(var.op.name + "/gradients", values))
+        gradients.append((var.op.name + "/gradients", values))
+
+    def gradient_histograms() -> List[tf.Tensor]:
+      return [_histogram(tag, values) for tag, values in gradients]
+
+    if accumulate_steps == 1 or not gradients:
+      summaries.extend(gradient_histograms())
+    else:
+      # An empty Summary where the run does not apply.
+      summaries.append(tf.cond(
+          t.applies, lambda: tf.summary.merge(gradient_histograms()),
+          lambda: tf.constant(b"")))
     return tf.summary.merge(summaries)
 
 
@@ -560,13 +577,18 @@ class StepLogger(tf.train.SessionRunHook):
   ``step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)``, where
   examples/sec counts the global batch and sec/batch is the step time
   divided by the number of towers, as in the tutorial. With a `loss_scale`
-  the line ends with ``, loss scale = %g``, the scale the step used.
+  the line ends with ``, loss scale = %g``, the scale the step used. With
+  `applies` (``towers.Towers.applies``, for accumulated micro-batches) a
+  step is a run that applies an update, and the loss logged is that run's
+  micro-batch's.
   """
 
   def __init__(self, loss: tf.Tensor, global_step: tf.Tensor,
                examples_per_step: int, num_towers: int, every: int = 10,
                count_locally: bool = True,
-               loss_scale: Optional[tf.Tensor] = None):
+               loss_scale: Optional[tf.Tensor] = None,
+               applies: Optional[tf.Tensor] = None):
+    self._applies = applies
     self._loss = loss
     self._loss_scale = loss_scale
     self._global_step = global_step
@@ -589,26 +611,29 @@ class StepLogger(tf.train.SessionRunHook):
     self._start = time.time()
 
   def before_run(self, run_context):
-    fetches = [self._loss, self._global_step]
+    fetches = [self._loss, self._global_step,
+               True if self._applies is None else self._applies]
     if self._loss_scale is not None:
       fetches.append(self._loss_scale)
     return tf.train.SessionRunArgs(fetches)
 
   def after_run(self, run_context, run_values):
-    loss, global_step = run_values.results[:2]
-    loss_scale = run_values.results[2] if self._loss_scale is not None \
+    loss, global_step, applied = run_values.results[:3]
+    loss_scale = run_values.results[3] if self._loss_scale is not None \
         else None
     loss = float(loss)
+    if math.isnan(loss):
+      raise FloatingPointError(
+          "loss is NaN at step %d: training stopped, nothing saved from this "
+          "step (lower the learning rate, or check the input); the last "
+          "checkpoint is kept" % (self._step + 1))
+    if not applied:
+      return
     # Alone, a process counts its own steps (the global step it fetched may
     # be read before or after this step's increment). In a cluster other
     # workers advance the global step too, so that is the count to show.
     self._runs += 1
     self._step = self._step + 1 if self._count_locally else int(global_step)
-    if math.isnan(loss):
-      raise FloatingPointError(
-          "loss is NaN at step %d: training stopped, nothing saved from this "
-          "step (lower the learning rate, or check the input); the last "
-          "checkpoint is kept" % self._step)
     if self._runs % self._every == 0:
       duration = (time.time() - self._start) / self._every
       self._start = time.time()
@@ -682,6 +707,7 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
                  save_summaries_steps: int = 100, master: str = "",
                  is_chief: bool = True, stop_grace_period_secs: float = 120,
                  loss_scale: Optional[tf.Tensor] = None,
+                 applies: Optional[tf.Tensor] = None,
                  hooks: Iterable[tf.train.SessionRunHook] = (),
                  chief_only_hooks: Iterable[tf.train.SessionRunHook] = (),
                  local_init_op: Optional[tf.Operation] = None,
@@ -696,7 +722,9 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
   names checkpoints relative to `train_dir`, so a copied directory resumes
   from its own. Nothing is ever deleted but the checkpoints the Saver
   rotates out (it keeps the latest 5). `loss_scale`, when given (the
-  towers' `loss_scale`), is logged with each step line.
+  towers' `loss_scale`), is logged with each step line; `applies`, when
+  given (the towers' `applies`, with accumulated micro-batches), makes the
+  logger count and time applied updates.
 
   SIGTERM or SIGINT (in the main thread) ends training after the current
   step: the chief saves a checkpoint, one line is logged, and `Interrupted`
@@ -723,7 +751,7 @@ def run_training(train_op: tf.Operation, loss: tf.Tensor,
                                local_init_op=local_init_op)
   logger = StepLogger(loss, global_step, examples_per_step, num_towers,
                       log_every, count_locally=not master or not recover,
-                      loss_scale=loss_scale)
+                      loss_scale=loss_scale, applies=applies)
   all_hooks = [tf.train.StopAtStepHook(last_step=max_steps), logger]
   all_hooks += list(hooks) + ([watchdog] if watchdog is not None else [])
   with StopOnSignals() as signals:

@@ -31,8 +31,11 @@ checkpointed; restarts resume from the last checkpoint.
 
 Flags: --num_gpus towers, each taking --batch_size examples per step (the
 global batch is batch_size x num_gpus, logged at start with the epochs
---max_steps means); the log line every --log_frequency steps is the
-original's ``step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)``.
+--max_steps means); --accumulate_steps=k sums k such micro-batches per
+tower into each step's update (a global batch k times larger in the memory
+of one, the global step counting updates); the log line every
+--log_frequency steps is the original's ``step %d, loss = %.2f (%.1f
+examples/sec; %.3f sec/batch)``.
 --variable_device places the one copy of each variable ('cpu', the
 original's; 'gpu'; 'balanced'), or, with 'replicated', gives every tower a
 copy of its own, kept identical by the --all_reduce algorithm ('add_n',
@@ -123,6 +126,7 @@ Fields:
 BOUNDS = {
     "num_gpus": dict(at_least=1),
     "batch_size": dict(at_least=1),
+    "accumulate_steps": dict(at_least=1),
     "max_steps": dict(at_least=0),
     "learning_rate": dict(above=0),
     "momentum": dict(at_least=0, below=1),
@@ -158,14 +162,15 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                       wrap_optimizer: Optional[Callable[
                           [tf.train.Optimizer], tf.train.Optimizer]] = None,
                       replicas: int = 1, num_workers: int = 1,
+                      accumulate_steps: int = 1,
                       seed: Optional[int] = None) -> TrainGraph:
   """Builds the input pipeline, the towers and the step in the default graph.
 
   The learning rate decays by `learning_rate_decay` every `epochs_per_decay`
   epochs, counted in examples (``global_step * batch_size * num_towers *
-  replicas``), so the schedule over the data is the same for any number of
-  towers and workers (the reference counted steps, decaying num_towers times
-  too late).
+  replicas * accumulate_steps``), so the schedule over the data is the same
+  for any number of towers, workers and micro-batches (the reference counted
+  steps, decaying num_towers times too late).
 
   Args:
     devices: ``[num_towers]`` tower devices (see `common.tower_setup`).
@@ -201,6 +206,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     num_workers: in collective mode, the number of workers whose towers'
       gradients are all-reduced together (`towers.minimize`'s
       ``num_workers``); 1 otherwise.
+    accumulate_steps: micro-batches per step (`towers.minimize`'s
+      ``accumulate_steps``): each run of the train op takes one.
     seed: the graph's random seed (initial weights, dropout) and the
       shuffle seed, for repeatable runs; None for new ones every run.
 
@@ -219,7 +226,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
     else:
       dataset = mnist_data.train_dataset(*train_files, batch_size, seed=seed)
     iterator = tf.data.make_one_shot_iterator(dataset)
-    examples_seen = global_step * (batch_size * num_towers * replicas)
+    examples_seen = global_step * (batch_size * num_towers * replicas *
+                                   accumulate_steps)
     lr = tf.train.exponential_decay(
         learning_rate, examples_seen,
         decay_steps=max(1, int(round(epochs_per_decay * num_examples))),
@@ -262,8 +270,9 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
                                 average_device=average_device,
                                 pack_bytes=pack_bytes,
                                 global_step=global_step,
-                                num_workers=num_workers)
-  summary_op = common.training_summaries(t, lr)
+                                num_workers=num_workers,
+                                accumulate_steps=accumulate_steps)
+  summary_op = common.training_summaries(t, lr, accumulate_steps)
   return TrainGraph(train_op=train_op, loss=t.loss, global_step=global_step,
                     learning_rate=lr, summary_op=summary_op, towers=t,
                     optimizer=opt)
@@ -271,7 +280,8 @@ def build_train_graph(*, devices: Sequence[str], batch_size: int,
 
 def train(*, train_dir: str, data_dir: Optional[str] = None,
           dataset: str = "mnist", num_gpus: int = 2, batch_size: int = 64,
-          max_steps: int = 4700, learning_rate: float = 0.02,
+          accumulate_steps: int = 1, max_steps: int = 4700,
+          learning_rate: float = 0.02,
           momentum: float = 0.9, learning_rate_decay: float = 0.75,
           epochs_per_decay: float = 1.0, weight_decay: float = 5e-4,
           dropout_rate: float = 0.5, fake_data: bool = False,
@@ -318,7 +328,9 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
       dataset's default directory.
     dataset: 'mnist' or 'fashion_mnist'.
     num_gpus: the number of towers.
-    batch_size: examples per tower per step.
+    batch_size: examples per tower per micro-batch (per step, without
+      accumulation).
+    accumulate_steps: micro-batches summed into each step's update.
     max_steps: the global step to stop at.
     learning_rate, momentum, learning_rate_decay, epochs_per_decay,
       weight_decay, dropout_rate: see `build_train_graph`.
@@ -383,7 +395,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
     watchdog.PeerLost: when a step fails on a lost or late peer.
   """
   common.check_args(
-      BOUNDS, num_gpus=num_gpus, batch_size=batch_size, max_steps=max_steps,
+      BOUNDS, num_gpus=num_gpus, batch_size=batch_size,
+      accumulate_steps=accumulate_steps, max_steps=max_steps,
       learning_rate=learning_rate, momentum=momentum,
       learning_rate_decay=learning_rate_decay,
       epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
@@ -440,7 +453,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
   else:
     train_files = mnist_data.find_split(data_dir, "train", dataset, mirrors)
     num_examples = train_files[0].count
-  common.log_batch(num_gpus, batch_size, max_steps, num_examples, replicas)
+  common.log_batch(num_gpus, batch_size, max_steps, num_examples, replicas,
+                   accumulate_steps)
   is_chief = not distributed or task.is_chief
   state = traindir.prepare(train_dir, is_chief=is_chief)
   with state.lock:
@@ -488,7 +502,7 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
           epochs_per_decay=epochs_per_decay, weight_decay=weight_decay,
           dropout_rate=dropout_rate, pack_bytes=pack_bytes, seed=seed,
           precision=precision, xla=xla, stage_inputs=stage_inputs,
-          **graph_kwargs)
+          accumulate_steps=accumulate_steps, **graph_kwargs)
       traindir.check_restores(state, tf.global_variables())
       if not distributed or collective:
         common.log_variables(g.towers, graph_kwargs["variable_device"],
@@ -516,7 +530,8 @@ def train(*, train_dir: str, data_dir: Optional[str] = None,
         return common.run_training(
             g.train_op, g.loss, g.global_step, g.summary_op,
             train_dir=train_dir, max_steps=max_steps,
-            examples_per_step=batch_size * num_gpus, num_towers=num_gpus,
+            examples_per_step=batch_size * num_gpus * accumulate_steps,
+            num_towers=num_gpus, applies=g.towers.applies,
             config=config, log_every=log_frequency,
             save_checkpoint_secs=save_checkpoint_secs,
             save_checkpoint_steps=save_checkpoint_steps,
@@ -571,6 +586,10 @@ def define_flags() -> None:
                        "virtual CPU devices stand in for missing GPUs.")
   flags.DEFINE_integer("batch_size", 64, "Examples per tower per step; the "
                        "global batch is batch_size x num_gpus.")
+  flags.DEFINE_integer("accumulate_steps", 1, "Micro-batches of batch_size "
+                       "per tower summed into each step's update: the "
+                       "global batch grows by this factor, memory does "
+                       "not.")
   flags.DEFINE_enum("dataset", "mnist", list(mnist_data.DATASETS),
                     "mnist, or fashion_mnist (same format; Debian's "
                     "dataset-fashion-mnist package has it).")
@@ -657,6 +676,7 @@ def main(argv):
   return common.run_main(argv, lambda: train(
       train_dir=FLAGS.train_dir, data_dir=FLAGS.data_dir, dataset=FLAGS.dataset,
       num_gpus=FLAGS.num_gpus, batch_size=FLAGS.batch_size,
+      accumulate_steps=FLAGS.accumulate_steps,
       max_steps=FLAGS.max_steps, learning_rate=FLAGS.learning_rate,
       momentum=FLAGS.momentum, learning_rate_decay=FLAGS.learning_rate_decay,
       epochs_per_decay=FLAGS.epochs_per_decay, weight_decay=FLAGS.weight_decay,

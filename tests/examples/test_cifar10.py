@@ -559,6 +559,36 @@ def test_sigterm_saves_a_checkpoint_and_stops(data_dir, tmp_path):
           % stopped.value.step) in log.messages
 
 
+def test_accumulated_micro_batches_move_the_averages_once_per_update(
+    data_dir, tmp_path):
+  with tf.Graph().as_default():
+    g = cifar10_multi_gpu_train.build_train_graph(
+        devices=["/cpu:0", "/cpu:1"], batch_size=2, train_files=None,
+        examples_per_epoch=1000, accumulate_steps=2)
+    weights = [v for v in tf.trainable_variables()
+               if v.op.name == "local3/weights"][0]
+    average = [v for v in tf.global_variables() if v.op.name ==
+               "local3/weights/ExponentialMovingAverage"][0]
+    with tf.Session(config=towers.virtual_cpu_config(2)) as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(tf.local_variables_initializer())
+      start = sess.run(average)
+      sess.run(g.train_op)  # A micro-batch: nothing moves.
+      np.testing.assert_array_equal(sess.run(average), start)
+      np.testing.assert_array_equal(sess.run(weights), start)
+      sess.run(g.train_op)  # The update, and one step of the averages.
+      assert sess.run(g.global_step) == 1
+      assert float(np.max(np.abs(sess.run(average) - start))) > 0
+  # The trainer and the evaluator, end to end.
+  train_dir = str(tmp_path / "train")
+  assert _train(data_dir, train_dir, 2, accumulate_steps=2) == 2
+  g = cifar10_eval.build_eval_graph(
+      cifar10_data.data_files(data_dir, train=False), TEST_IMAGES, BATCH)
+  result = cifar10_eval.evaluate_checkpoint(
+      g, tf.train.latest_checkpoint(train_dir))
+  assert (result.count, result.global_step) == (TEST_IMAGES, 2)
+
+
 def test_learning_rate_falls_tenfold_every_350_epochs_of_examples():
   with tf.Graph().as_default():
     step = tf.placeholder(tf.int64, [])

@@ -435,6 +435,30 @@ def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, absl_logs):
   assert towered.num_correct == result.num_correct
 
 
+def test_accumulated_micro_batches_train_and_evaluate(tiny_mnist, tmp_path,
+                                                     absl_logs):
+  train_dir = str(tmp_path / "train")
+  step = mnist_train.train(train_dir=train_dir, data_dir=tiny_mnist,
+                           num_gpus=2, batch_size=2, accumulate_steps=4,
+                           max_steps=4, log_frequency=2,
+                           save_checkpoint_secs=3600, save_summaries_steps=1,
+                           mirrors=(), seed=0)
+  assert step == 4
+  assert checkpoint_step(train_dir) == 4  # Global steps count updates.
+  logs = absl_logs()
+  assert "2 towers x 2 examples x 4 micro-batches = 16 examples per step; " \
+      "--max_steps=4 is 1.0 epochs of 64 examples" in logs
+  # One line every 2 updates (8 runs), not every 2 runs.
+  assert [int(LOG_LINE.search(m).group(1)) for m in logs
+          if LOG_LINE.search(m)] == [2, 4]
+  # Gradient histograms come from the runs that apply.
+  assert "conv1/weights/gradients" in summary_tags(train_dir)
+  result = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=tiny_mnist,
+                               batch_size=8, run_once=True, mirrors=())
+  assert result.global_step == 4
+  assert result.num_examples == NUM_TEST
+
+
 def test_evaluate_without_a_checkpoint_says_to_train_first(tiny_mnist,
                                                            tmp_path):
   with pytest.raises(FileNotFoundError, match="train first"):
