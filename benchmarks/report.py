@@ -1,6 +1,7 @@
 """Targets, the markdown tables, the JSON file and the chart."""
 
 import json
+import math
 import os
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -61,6 +62,14 @@ PACKED_DEFAULT_MODES = (graphs.TOWERS, graphs.REPLICATED_ADD_N)
 # to gain: the devices share memory).
 STAGED_RATIO = 0.95
 STAGED_MIN_TOWERS = 2
+# Gradient accumulation's, at each tower count, the largest k against k=1
+# at the same micro-batch per tower (replicated): the bytes per example
+# exactly 1/k of k=1's (counts, so exact: the update's reduction is the
+# only traffic, once per k micro-batches), and the examples/sec at least
+# this share of k=1's (accumulating must not cost what it saves).
+ACCUMULATION_SPEED_RATIO = 0.95
+# The bytes ratio's tolerance: float rounding of a ratio of exact counts.
+ACCUMULATION_BYTES_REL_TOL = 1e-9
 # The process peak (resident memory) must see at least this share of the
 # tensors the step allocates at once; below it, resident memory does not
 # follow the tensors on this machine, and the measure is unavailable.
@@ -331,6 +340,32 @@ def fast_paths_targets(section: Dict[str, object]) -> None:
                         STAGED_RATIO)))
 
 
+def accumulation_targets(section: Dict[str, object]) -> None:
+  """Adds gradient accumulation's targets to each comparison in place.
+
+  The bytes target is a count (no interval): bytes per example at the
+  largest k over k=1's equal to 1/k. The speed target is met or not by the
+  medians; its detail gives the ratio with its 95% bootstrap interval.
+  """
+  for entry in section.get("comparisons", []):
+    k = entry["accumulate_steps"]
+    want = entry["expected_bytes_ratio"]
+    entry["targets"] = [
+        _target("bytes per example at k=%d = %.2fx k=1's" % (k, want),
+                math.isclose(entry["bytes_ratio"], want,
+                             rel_tol=ACCUMULATION_BYTES_REL_TOL),
+                "%.4fx: %s vs %s KiB per example" % (
+                    entry["bytes_ratio"],
+                    _kib(entry["bytes_per_example"]),
+                    _kib(entry["bytes_per_example_k1"]))),
+        _target("examples/sec at k=%d >= %.2fx k=1's"
+                % (k, ACCUMULATION_SPEED_RATIO),
+                entry["speed_ratio"] >= ACCUMULATION_SPEED_RATIO,
+                _ratio_detail(entry["speed_ratio"],
+                              tuple(entry["speed_interval"]),
+                              ACCUMULATION_SPEED_RATIO))]
+
+
 def add_targets(results: Dict[str, object]) -> None:
   """Gives every target its verdict, or none in a quick run.
 
@@ -340,10 +375,12 @@ def add_targets(results: Dict[str, object]) -> None:
   averaging = results.get("average_gradients")
   build = results.get("build")
   staging = results.get("fast_paths", {}).get("staging", {}).get("rows", [])
+  accumulation = results.get("accumulation")
   if results.get("quick"):
     sections = [row for workload in results["throughput"]
                 for row in workload["rows"]] + [s for s in (averaging, build)
                                                  if s] + staging
+    sections += (accumulation or {}).get("comparisons", [])
     for section in sections:
       section["targets"] = []
   else:
@@ -356,6 +393,8 @@ def add_targets(results: Dict[str, object]) -> None:
       build_targets(build)
     if results.get("fast_paths"):
       fast_paths_targets(results["fast_paths"])
+    if accumulation:
+      accumulation_targets(accumulation)
   results["targets"] = summary(results)
 
 
@@ -754,6 +793,113 @@ def fast_paths_markdown(results: Dict[str, object]) -> List[str]:
   return lines
 
 
+def _kib(size: float) -> str:
+  return "%.1f" % (size / 1024.0)
+
+
+def _interval(ratio: Optional[float],
+              interval: Optional[Sequence[float]]) -> str:
+  if ratio is None:
+    return "-"
+  if interval is None:
+    return "%.3fx" % ratio
+  return "%.3fx [%.3f, %.3f]" % (ratio, interval[0], interval[1])
+
+
+def accumulation_markdown(results: Dict[str, object]) -> List[str]:
+  """Returns gradient accumulation's tables: its rows, then the ratios."""
+  section = results.get("accumulation")
+  if not section:
+    return []
+  quick = results.get("quick")
+  rows = list(section["rows"]) + list(section["counted_rows"])
+  size = rows[0]["traffic"]["parameter_bytes"] if rows else 0
+  largest = max(section["accumulate_steps"])
+  lines = [
+      "### Gradient accumulation: %s, %d per tower per run%s" % (
+          section["title"], section["per_tower_batch"],
+          " (quick run)" if quick else ""), "",
+      "towers.minimize(..., accumulate_steps=k) with "
+      "variable_device='replicated' (all_reduce %s), every k at the same "
+      "micro-batch b per tower, and plain: k=1 with a per-tower batch of "
+      "b*%d, the same examples per update in one run. Each run of the "
+      "train op runs one micro-batch on every tower and adds the "
+      "gradients to accumulators on the towers' devices; every k-th also "
+      "reduces, applies and clears them. Timed in the same rounds, a step "
+      "being one applied update (k runs): examples/sec = N*b*k over the "
+      "median update. Bytes: the parameters' bytes (P = %s MiB) through "
+      "the busiest device (sent + received) per applied update, counted "
+      "from the partition graphs of the applying run; each of the k-1 "
+      "runs that do not apply counts the same sends but those of the "
+      "apply branch, whose tensors are dead (no data) when it is not "
+      "taken (its MiB: 'not applying'). Per example: over the update's "
+      "N*b*k examples. Expected: replicated, one reduction per update "
+      "whatever k; variables on /cpu:0 (counted, not timed), the towers' "
+      "reads of every variable in each of the k runs and the gradients "
+      "once. Counts, not timings: the bytes a GPU machine would copy." % (
+          ", ".join(sorted({str(r["all_reduce"]) for r in section["rows"]}))
+          or "-", largest, _mib(size)), "",
+      "| towers | row | k | per-tower batch | examples per update | "
+      "examples/sec | update ms (median [q1, q3]) | MiB per update through "
+      "busiest device (expected) | not applying, MiB per run | KiB per "
+      "example (expected) |",
+      "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+  for row in rows:
+    moved = row["traffic"]
+    timed = ("%.1f | %.1f [%.1f, %.1f]" % (
+        row["examples_per_sec"], 1e3 * row["median_step_sec"],
+        1e3 * row["q1_step_sec"], 1e3 * row["q3_step_sec"])
+             if row["timed"] else "not timed | -")
+    quiet_run = moved["non_applying_busiest_bytes"]
+    lines.append(
+        "| %d | %s | %d | %d | %d | %s | %s %s (%s) | %s | %s (%s) |" % (
+            row["num_towers"], row["variant"], row["accumulate_steps"],
+            row["per_tower_batch"], row["examples_per_update"], timed,
+            moved["busiest_device"], _mib(moved["busiest_bytes"]),
+            _mib(moved["expected_busiest_bytes"]),
+            "-" if quiet_run is None else _mib(quiet_run),
+            _kib(moved["bytes_per_example"]),
+            _kib(moved["expected_bytes_per_example"])))
+  lines.append("")
+  unsized = sorted({n for r in rows for n in r["traffic"]["unsized"]})
+  if unsized:
+    lines += ["Sent tensors of unknown size, in no count: %s."
+              % ", ".join(unsized), ""]
+  if section["comparisons"]:
+    lines += [
+        "At each tower count, the largest k against k=1 (replicated): "
+        "bytes per example over k=1's (expected 1/k: counted, exact), "
+        "examples/sec over k=1's and over plain's (with their 95% "
+        "bootstrap intervals), and bytes per example over k=1's with the "
+        "variables on /cpu:0 (counted; not 1/k: the reads cross in every "
+        "run).", "",
+        "| towers | k | bytes per example / k=1 (expected) | examples/sec / "
+        "k=1 | examples/sec / plain | variables on /cpu:0: bytes per "
+        "example / k=1 |" + ("" if quick else " targets |"),
+        "|---:|---:|---:|---:|---:|---:|" + ("" if quick else "---|")]
+    for entry in section["comparisons"]:
+      cpu = entry["cpu_bytes_ratio"]
+      line = "| %d | %d | %.4fx (%.4fx) | %s | %s | %s |" % (
+          entry["num_towers"], entry["accumulate_steps"],
+          entry["bytes_ratio"], entry["expected_bytes_ratio"],
+          _interval(entry["speed_ratio"], entry["speed_interval"]),
+          _interval(entry["plain_speed_ratio"],
+                    entry["plain_speed_interval"]),
+          "-" if cpu is None else "%.4fx" % cpu)
+      if not quick:
+        line += " %s |" % _met(entry.get("targets", []))
+      lines.append(line)
+    lines.append("")
+  lines += ["Not run or not measured here: %s." % "; ".join(
+      section["not_run"]), ""]
+  lines += ["Other processes during the kept rounds: %s; rounds repeated: "
+            "%d." % (quiet.describe(section["rounds"]["foreign_cores"]),
+                     section["rounds"]["repeated_rounds"]), ""]
+  if quick:
+    lines += [_targets_line(results, []), ""]
+  return lines
+
+
 def _per_worker(tasks: Optional[Dict[str, Dict[str, float]]]) -> str:
   """Each worker's MiB sent / received per step: ``"worker:0 1.5 / 1.5"``."""
   if not tasks:
@@ -951,6 +1097,7 @@ def markdown(results: Dict[str, object]) -> str:
     lines += ["", _targets_line(results, build["targets"]), ""]
   lines += batch_norm_markdown(results)
   lines += fast_paths_markdown(results)
+  lines += accumulation_markdown(results)
   lines += across_workers_markdown(results)
   return "\n".join(lines)
 
@@ -1041,6 +1188,9 @@ def summary(results: Dict[str, object]) -> List[Dict[str, object]]:
   for row in results.get("fast_paths", {}).get("staging", {}).get("rows", []):
     flat += [dict(t, scope="fast_paths %s staged x%d" % (
         row["workload"], row["num_towers"])) for t in row["targets"]]
+  for entry in (results.get("accumulation") or {}).get("comparisons", []):
+    flat += [dict(t, scope="accumulation x%d" % entry["num_towers"])
+             for t in entry.get("targets", [])]
   return flat
 
 

@@ -33,11 +33,15 @@ of 1, 2, 4 and 8 towers, synchronized batch norm
 and 4 towers (`benchmarks.batch_norm`), the fast paths on the MNIST and
 CIFAR-10 CNNs (`benchmarks.fast_paths`): ``stage_inputs=True`` against the
 same ``tf.data`` input unstaged at 2 and 4 towers, and bfloat16, float16
-(loss-scaled) and XLA against float32 at 2 towers, and last a CNN (MNIST's
-by default) across workers (`benchmarks.across_workers`): 2 workers x 2
-towers on loopback, with a parameter server and with a collective
-all-reduce, each task a process of its own, against 1 worker x 4 towers,
-with the bytes each worker sends and receives per step. Every graph variant
+(loss-scaled) and XLA against float32 at 2 towers, gradient accumulation
+(`benchmarks.accumulation`): replicated towers with ``accumulate_steps`` 1,
+2 and 4 at the same micro-batch per tower, at 2 and 4 towers, against one
+run of the same effective batch, with the bytes each applied update moves
+per example, and last a CNN (MNIST's by default) across workers
+(`benchmarks.across_workers`): 2 workers x 2 towers on loopback, with a
+parameter server and with a collective all-reduce, each task a process of
+its own, against 1 worker x 4 towers, with the bytes each worker sends and
+receives per step. Every graph variant
 also counts the bytes and tensors that cross between its devices in one
 untimed step, beside the figure its design predicts (`benchmarks.traffic`).
 Warm-up steps are not timed; variants are interleaved in rounds (each round
@@ -51,9 +55,10 @@ examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
 everything runs: its results (in their own default directory) say they are a
 quick run, and it gives no verdicts on the targets. A section given no sizes
 is skipped: ``--workloads= --packing_kib= --averaging_shape= --build_towers=
---noacross_workers`` runs the batch-norm comparison and the fast paths alone,
-``--batch_norm_towers=`` skips the one, ``--fast_paths_workloads=`` the other
-(``--staging_towers=`` or ``--precision_towers=`` a part of it);
+--noacross_workers`` runs the batch-norm comparison, the fast paths and the
+gradient accumulation alone, ``--batch_norm_towers=`` skips the first,
+``--fast_paths_workloads=`` the second (``--staging_towers=`` or
+``--precision_towers=`` a part of it), ``--accumulation_towers=`` the last;
 ``--noacross_workers`` skips the section across workers, in a quick run too.
 See docs/performance.md.
 """
@@ -82,6 +87,7 @@ from absl import logging
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from benchmarks import accumulation
 from benchmarks import across_workers
 from benchmarks import averaging
 from benchmarks import batch_norm
@@ -391,6 +397,39 @@ def fast_paths_comparison(*, workload_names: Sequence[str],
   return result
 
 
+def accumulation_comparison(*, tower_counts: Sequence[int],
+                            accumulate_steps: Sequence[int],
+                            per_tower_batch: int, num_devices: int,
+                            quiet_policy: Quiet, warmup: int, rounds: int,
+                            steps: int) -> Dict[str, object]:
+  """Times gradient accumulation's rows, interleaved; counts its bytes.
+
+  The rows with the variables on /cpu:0 are counted first, each graph
+  closed before the next is built; the timed rows' steps are applied
+  updates (`accumulation.AccumulationStep`).
+  """
+  started = time.time()
+  sizes = dict(tower_counts=tower_counts, accumulate_steps=accumulate_steps,
+               per_tower_batch=per_tower_batch, num_devices=num_devices)
+  counted = accumulation.count_only(**sizes)
+  runners = accumulation.build(**sizes)
+  logging.info("accumulation: timing accumulate_steps %s at %s towers, %d "
+               "per tower", accumulation.steps_with_one(accumulate_steps),
+               list(tower_counts), per_tower_batch)
+  try:
+    times, rounds_info = interleave(runners, warmup=warmup, rounds=rounds,
+                                    steps=steps, quiet_policy=quiet_policy)
+    # Before closing: each row reads its global step.
+    result = accumulation.result(
+        runners, times, counted, per_tower_batch=per_tower_batch,
+        accumulate_steps=accumulate_steps, rounds_info=rounds_info)
+  finally:
+    for runner in runners.values():
+      runner.close()
+  result["seconds"] = time.time() - started
+  return result
+
+
 def across_workers_comparison(*, workload_name: str, per_tower_batch: int,
                               measure_steps: int, own_pids: List[int],
                               quiet_policy: Quiet, warmup: int, rounds: int,
@@ -468,6 +507,9 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         fast_paths_workloads: Sequence[str] = (),
         staging_towers: Sequence[int] = (), staging_batch: int = 256,
         precision_towers: Sequence[int] = (), precision_batch: int = 64,
+        accumulation_towers: Sequence[int] = (),
+        accumulation_steps: Sequence[int] = (1, 2, 4),
+        accumulation_batch: int = 64,
         across_workers_workload: str = "", across_workers_batch: int = 64,
         across_workers_measure_steps: int = 5,
         mirrored_skipped: Optional[str] = None,
@@ -517,6 +559,11 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     precision_towers: the tower counts at which bfloat16, float16 and XLA
       are timed against float32; empty skips them.
     precision_batch: their global batch.
+    accumulation_towers: the tower counts of the gradient accumulation
+      rows (`benchmarks.accumulation`); empty skips them.
+    accumulation_steps: their ``accumulate_steps`` (1 is always among
+      them: the baseline).
+    accumulation_batch: their micro-batch per tower.
     across_workers_workload: the workload ("mnist", "cifar10") trained on
       2 workers x 2 towers, with a parameter server and with a collective
       all-reduce, against 1 worker x 4 towers
@@ -542,7 +589,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     staging_towers, precision_towers = (), ()
   num_devices = max(list(tower_counts) + list(averaging_shape[:1])
                     + list(batch_norm_towers) + list(staging_towers)
-                    + list(precision_towers)
+                    + list(precision_towers) + list(accumulation_towers)
                     + ([packing_towers] if packing_sizes else []) + [1])
   results = {"quick": quick, "mirrored_skipped": mirrored_skipped,
              "machine": _machine(),
@@ -563,6 +610,9 @@ def run(*, out_dir: str, workload_names: Sequence[str],
                  "staging_batch": staging_batch,
                  "precision_towers": list(precision_towers),
                  "precision_batch": precision_batch,
+                 "accumulation_towers": list(accumulation_towers),
+                 "accumulation_steps": list(accumulation_steps),
+                 "accumulation_batch": accumulation_batch,
                  "across_workers_workload": across_workers_workload,
                  "across_workers_batch": across_workers_batch,
                  "across_workers_measure_steps":
@@ -657,6 +707,13 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         staging_batch=staging_batch, precision_towers=precision_towers,
         precision_batch=precision_batch, num_devices=num_devices,
         quiet_policy=quiet_policy, warmup=warmup, rounds=rounds, steps=steps)
+  # After the fast paths, so that every section before it runs as in
+  # earlier runs.
+  if accumulation_towers:
+    results["accumulation"] = accumulation_comparison(
+        tower_counts=accumulation_towers, accumulate_steps=accumulation_steps,
+        per_tower_batch=accumulation_batch, num_devices=num_devices,
+        quiet_policy=quiet_policy, warmup=warmup, rounds=rounds, steps=steps)
   # Last: its six processes start once every section before it is done.
   if across_workers_workload:
     results["across_workers"] = across_workers_comparison(
@@ -707,7 +764,9 @@ def main(argv):
         packing_batch=8, packing_max_variables=8, batch_norm_towers=[2, 4],
         batch_norm_batch=8, fast_paths_workloads=["mnist"],
         staging_towers=[2], staging_batch=8, precision_towers=[2],
-        precision_batch=2, across_workers_workload="mnist",
+        precision_batch=2, accumulation_towers=[2],
+        accumulation_steps=[1, 2], accumulation_batch=2,
+        across_workers_workload="mnist",
         across_workers_batch=2, across_workers_measure_steps=2,
         quiet_wait_seconds=0)
   else:
@@ -735,6 +794,9 @@ def main(argv):
         staging_batch=FLAGS.staging_batch,
         precision_towers=[int(n) for n in FLAGS.precision_towers if n],
         precision_batch=FLAGS.precision_batch,
+        accumulation_towers=[int(n) for n in FLAGS.accumulation_towers if n],
+        accumulation_steps=[int(k) for k in FLAGS.accumulation_steps if k],
+        accumulation_batch=FLAGS.accumulation_batch,
         across_workers_workload=FLAGS.across_workers_workload,
         across_workers_batch=FLAGS.across_workers_batch,
         quiet_wait_seconds=60 * FLAGS.quiet_wait_minutes)
@@ -808,6 +870,19 @@ def define_flags():
                        "precision rows: small, since bfloat16 and float16 "
                        "steps on a CPU without their instructions take "
                        "several times float32's.")
+  flags.DEFINE_list("accumulation_towers", ["2", "4"], "Tower counts at "
+                    "which gradient accumulation (towers.minimize's "
+                    "accumulate_steps, replicated variables) is timed, "
+                    "and its bytes per example counted "
+                    "(benchmarks/accumulation.py); empty skips it.")
+  flags.DEFINE_list("accumulation_steps", ["1", "2", "4"], "Its "
+                    "accumulate_steps (k, micro-batches per update; 1, the "
+                    "baseline, is always run); the largest is compared "
+                    "with k=1 and with one run of the same effective "
+                    "batch.")
+  flags.DEFINE_integer("accumulation_batch", 64, "Its micro-batch per "
+                       "tower, the same at every k (at 4 towers, one run "
+                       "is MNIST's global batch of the throughput rows).")
   flags.DEFINE_boolean("across_workers", True, "Time 2 workers x 2 towers "
                        "on loopback (a parameter-server cluster and a "
                        "collective one, each task a process) against 1 "

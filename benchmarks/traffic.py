@@ -114,7 +114,9 @@ def _ring(devices: Dict[str, Dict[str, float]], device: str, size: float,
 def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
           parameters: Sequence[tf.Variable],
           inputs: Sequence[tf.Tensor], *,
-          tasks: bool = False) -> Dict[str, object]:
+          tasks: bool = False,
+          skip: Optional[Callable[[tf.Operation], bool]] = None
+         ) -> Dict[str, object]:
   """Counts what one step's partition graphs move between devices.
 
   Args:
@@ -128,6 +130,14 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
       ``collective_bytes`` only, not in ``devices``: which members' ring
       neighbours are on another task is not in the partition graphs of one
       task's session (`benchmarks.across_workers` counts that part).
+    skip: ``skip(op) -> bool`` on the op whose output a send carries (for a
+      constant Grappler folded, the op it replaces), and on each collective
+      op: where True, that send or collective is in no count but
+      ``skipped``. A partition graph holds the sends of both branches of a
+      ``tf.cond`` whichever one runs, and those of the branch not taken
+      carry dead tensors, no data: a run that takes one branch is counted
+      by skipping the other's ops (`benchmarks.accumulation`). None (the
+      default) counts everything.
 
   Returns:
     A dict: ``devices``, device (or task) -> the parameters' sent and
@@ -137,7 +147,8 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
     from their algorithm;
     ``collective_bytes``, device -> the bytes its collective ops sum (their
     inputs); ``unsized``, the names of sent tensors whose size is unknown
-    (in no other count).
+    (in no other count); ``skipped``, the sends and collectives `skip`
+    left out.
   """
   from_parameters = _downstream(v.op for v in parameters)
   from_inputs = _downstream(t.op for t in inputs)
@@ -152,13 +163,13 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
   totals = {k: {"bytes": 0, "tensors": 0} for k in (INPUT, OTHER)}
   result = {"devices": devices, INPUT: totals[INPUT], OTHER: totals[OTHER],
             "control_edges": 0, "collectives": 0, "collective_bytes": {},
-            "unsized": []}
+            "unsized": [], "skipped": 0}
   for partition in partition_graphs:
     nodes = {node.name: node for node in partition.node}
     for node in partition.node:
       if node.op in COLLECTIVE_OPS:
         _count_collective(node, graph, kind, None if tasks else devices,
-                          result)
+                          result, skip)
         continue
       if node.op not in SEND_OPS:
         continue
@@ -169,11 +180,18 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
       name = node.input[0]
       tensor = _tensor(graph, name)
       if tensor is not None:
+        if skip is not None and skip(tensor.op):
+          result["skipped"] += 1
+          continue
         size, what = _bytes(tensor), kind(tensor.op)
       else:
         sent = nodes.get(name.split(":")[0])
         if _is_control_dummy(sent):
           result["control_edges"] += 1
+          continue
+        origin = _folded_origin(sent, graph)
+        if skip is not None and origin is not None and skip(origin):
+          result["skipped"] += 1
           continue
         size, what = _folded(sent, graph, kind)
       if size is None:
@@ -187,15 +205,20 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
   return result
 
 
-def _count_collective(node, graph: tf.Graph, kind, devices, result) -> None:
+def _count_collective(node, graph: tf.Graph, kind, devices, result,
+                      skip=None) -> None:
   """Counts one device's part of a ring all-reduce from its algorithm.
 
-  With `devices` None, only its bytes summed and the count (``tasks``).
+  With `devices` None, only its bytes summed and the count (``tasks``);
+  one that `skip` (`count`'s) leaves out only in ``skipped``.
   """
   try:
     op = graph.get_operation_by_name(node.name)
   except KeyError:
     result["unsized"].append(node.name)
+    return
+  if skip is not None and skip(op):
+    result["skipped"] += 1
     return
   size = _bytes(op.inputs[0])
   if op.type == "CollectiveReduceV2":
@@ -252,12 +275,20 @@ def _folded(node, graph: tf.Graph, kind):
   size = dtype.size
   for dim in value.tensor_shape.dim:
     size *= dim.size
+  origin = _folded_origin(node, graph)
+  return size, OTHER if origin is None else kind(origin)
+
+
+def _folded_origin(node, graph: tf.Graph) -> Optional[tf.Operation]:
+  """Returns the op of `graph` a folded constant replaces, or None."""
+  if node is None or node.op != "Const":
+    return None
   origin = re.sub(r"-folded(-\d+)?$", "", node.name.split("/", 1)[-1]
                   if node.name.startswith("ConstantFolding/") else node.name)
   try:
-    return size, kind(graph.get_operation_by_name(origin))
+    return graph.get_operation_by_name(origin)
   except KeyError:
-    return size, OTHER
+    return None
 
 
 def _is_control_dummy(node) -> bool:
@@ -455,11 +486,14 @@ def summarize(measured: Dict[str, object],
 def measure(session: tf.Session, fetches, graph: tf.Graph,
             parameters: Sequence[tf.Variable],
             inputs: Sequence[tf.Tensor], *, tasks: bool = False,
-            timeout_ms: int = 0) -> Dict[str, object]:
+            timeout_ms: int = 0,
+            skip: Optional[Callable[[tf.Operation], bool]] = None
+           ) -> Dict[str, object]:
   """Runs one step of `fetches` and `count`s its partition graphs.
 
-  `tasks` is `count`'s. A step that takes longer than `timeout_ms` fails
-  (0: only the session's ``operation_timeout_in_ms`` applies).
+  `tasks` and `skip` are `count`'s. A step that takes longer than
+  `timeout_ms` fails (0: only the session's ``operation_timeout_in_ms``
+  applies).
   """
   run_metadata = tf.RunMetadata()
   session.run(fetches,
@@ -467,7 +501,7 @@ def measure(session: tf.Session, fetches, graph: tf.Graph,
                                     timeout_in_ms=timeout_ms),
               run_metadata=run_metadata)
   return count(run_metadata.partition_graphs, graph, parameters, inputs,
-               tasks=tasks)
+               tasks=tasks, skip=skip)
 
 
 def relative_error(measured: float, expectation: float) -> float:

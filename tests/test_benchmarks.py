@@ -8,6 +8,7 @@ none either. The bytes that cross between devices are counts, not timings:
 those are checked exactly, on a model small enough to count by hand.
 """
 
+import fractions
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from benchmarks import accumulation
 from benchmarks import across_workers
 from benchmarks import batch_norm
 from benchmarks import fast_paths
@@ -138,6 +140,7 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
                      re.M), n
 
   _check_quick_fast_paths(results["fast_paths"], size, done.stdout)
+  _check_quick_accumulation(results["accumulation"], size, done.stdout)
 
   # The sweep: packed against unpacked at 2 sizes, 4 towers, 8 variables.
   sweep = results["packing_sweep"]
@@ -252,6 +255,59 @@ def _check_quick_fast_paths(section, size, stdout):
   assert "| mnist | float16 (compute_dtype, dynamic loss scaling) | 2 |" in (
       stdout)
   assert "| mnist | float32, XLA (jit_scope) | 2 |" in stdout
+
+
+def _check_quick_accumulation(section, size, stdout):
+  """The quick run's accumulation: 2 towers, k 1 and 2, 2 per tower.
+
+  `size`: the MNIST CNN's parameter bytes, P.
+  """
+  assert section["per_tower_batch"] == 2
+  assert section["accumulate_steps"] == [1, 2]
+  assert section["devices"] == {"2": ["/cpu:0", "/cpu:1"]}
+  rows = {(r["variant"], r["accumulate_steps"]): r for r in section["rows"]}
+  assert list(rows) == [("accumulated", 1), ("accumulated", 2), ("plain", 1)]
+  assert rows[("plain", 1)]["per_tower_batch"] == 4
+  for (variant, k), row in rows.items():
+    assert row["timed"] and row["steps_timed"] > 0, row
+    assert row["examples_per_sec"] > 0 and row["runs_per_step"] == k
+    # Each timed step was one applied update: one global step each.
+    assert row["global_step"] == row["updates"] > row["steps_timed"]
+    moved = row["traffic"]
+    assert row["examples_per_update"] == 2 * row["per_tower_batch"] * k
+    # Replicated at 2 towers, add_n: each device sends and receives P per
+    # update, whatever k; the runs that do not apply move none.
+    for device in ("cpu:0", "cpu:1"):
+      assert moved["devices"][device]["sent_bytes"] == size, (variant, k)
+      assert moved["devices"][device]["received_bytes"] == size
+    assert moved["busiest_bytes"] == moved["expected_busiest_bytes"] == (
+        2 * size)
+    assert moved["non_applying_busiest_bytes"] == (0 if k > 1 else None)
+    assert moved["unsized"] == []
+  assert rows[("accumulated", 2)]["traffic"]["non_applying_skipped"] > 0
+  counted = {r["accumulate_steps"]: r for r in section["counted_rows"]}
+  assert sorted(counted) == [1, 2]
+  for k, row in counted.items():
+    assert row["variant"] == "cpu" and not row["timed"]
+    # /cpu:0 sends P to tower 1 in each of the k runs, gets P back once.
+    cpu0 = row["traffic"]["devices"]["cpu:0"]
+    assert (cpu0["sent_bytes"], cpu0["received_bytes"]) == (k * size, size)
+    assert row["traffic"]["busiest_bytes"] == (
+        row["traffic"]["expected_busiest_bytes"])
+  (entry,) = section["comparisons"]
+  assert (entry["num_towers"], entry["accumulate_steps"]) == (2, 2)
+  assert entry["bytes_ratio"] == entry["expected_bytes_ratio"] == 0.5
+  assert entry["cpu_bytes_ratio"] == 0.75
+  assert entry["speed_ratio"] > 0 and entry["plain_speed_ratio"] > 0
+  assert entry["targets"] == []
+  assert any("virtual CPU devices" in note for note in section["not_run"])
+  assert "### Gradient accumulation: MNIST CNN, 2 per tower per run (quick " \
+      "run)" in stdout
+  assert re.search(r"^\| 2 \| accumulated \| 2 \| 2 \| 8 \| .* \| cpu:0 25\.0 "
+                   r"\(25\.0\) \| 0\.0 \| 3197\.9 \(3197\.9\) \|$", stdout,
+                   re.M)
+  assert re.search(r"^\| 2 \| 2 \| 0\.5000x \(0\.5000x\) \| .* \| 0\.7500x "
+                   r"\|$", stdout, re.M)
 
 
 def test_quick_run_has_its_own_default_directory():
@@ -1107,3 +1163,253 @@ def test_tcp_bytes_are_read_per_process_from_ss():
   assert across_workers.parse_ss(text) == [
       across_workers.Socket((28373,), 3705, 256865),
       across_workers.Socket((28375,), 0, 0)]
+
+
+def _tiny_update(accumulate_steps, variable_device="replicated"):
+  """Counts one applied update of `_linear` on 4 towers (`_tiny_traffic`'s).
+
+  Returns:
+    ``(counted, variables, global_step)``: `accumulation.count_update`'s
+    result, the variables as for `traffic.expected`, and the global step
+    after the counted update.
+  """
+  devices = ["/cpu:%d" % i for i in range(4)]
+  graph = tf.Graph()
+  with graph.as_default():
+    with tf.device("/cpu:0"):
+      x = tf.constant(np.arange(32, dtype=np.float32).reshape([8, 4]))
+    step = tf.train.get_or_create_global_step()
+    train_op, built = towers.minimize(
+        _linear, tf.train.GradientDescentOptimizer(0.1), 4, inputs=x,
+        devices=devices, variable_device=variable_device, global_step=step,
+        accumulate_steps=accumulate_steps)
+    variables = [(v.device, v.shape.num_elements() * v.dtype.size,
+                  v.dtype.base_dtype.name) for v in tf.trainable_variables()]
+    counted = accumulation.parameters(graph, built.applies)
+    init = tf.global_variables_initializer()
+    local_init = tf.local_variables_initializer()
+  config = towers.virtual_cpu_config(4, operation_timeout_in_ms=60000)
+  with tf.Session(graph=graph, config=config) as session:
+    session.run(init)
+    session.run(local_init)
+    moved = accumulation.count_update(session, train_op, built.applies,
+                                      graph, counted, [x], accumulate_steps)
+    # The update counted was the one applied; the next run starts another.
+    assert not accumulate_steps > 1 or not session.run(built.applies)
+    return moved, variables, int(session.run(step))
+
+
+NOTHING = _fields(0, 0, 0, 0)
+
+
+def test_an_accumulated_update_moves_one_reduction_per_k_micro_batches():
+  # Replicated, add_n, packed: each copy's pack to /cpu:0, the sum back
+  # (STAR_PACKED_ADD_N), per update whatever k.
+  one, variables, step = _tiny_update(1)
+  assert step == 1 and one["runs"] == 0 and one["non_applying"] is None
+  assert one["applying"]["devices"] == STAR_PACKED_ADD_N
+  assert one["per_update"] == STAR_PACKED_ADD_N
+  four, _, step = _tiny_update(4)
+  # 3 runs that accumulate, then the counted one, which applied.
+  assert step == 1 and four["runs"] == 3
+  applying, quiet_run = four["applying"], four["non_applying"]
+  assert applying["devices"] == STAR_PACKED_ADD_N
+  assert applying["skipped"] == 0
+  # The apply branch's 6 sends (3 packs in, 3 sums out) are in the
+  # partition graphs of every run; left out, nothing of the parameters
+  # crosses. Everything else counts alike: the input shards, the device
+  # check's floats and the cond's predicate (a bool to each other tower).
+  assert quiet_run["skipped"] == 6
+  assert quiet_run["devices"] == {}
+  for kind in ("input", "other"):
+    assert quiet_run[kind] == applying[kind], kind
+  assert applying["input"] == {"bytes": 3 * 32, "tensors": 3}
+  assert applying["other"] == {"bytes": 3 * 4 + 3, "tensors": 6}
+  assert four["per_update"] == STAR_PACKED_ADD_N
+  expectation = accumulation.expected_update(
+      variables, ["/cpu:%d" % i for i in range(4)], "replicated", "add_n", 4)
+  assert expectation == STAR_PACKED_ADD_N
+  # Per example (8 per run): exactly a quarter at k=4.
+  per_example = {k: fractions.Fraction(
+      int(traffic.busiest(moved["per_update"])[1]), 8 * k)
+                 for k, moved in ((1, one), (4, four))}
+  assert per_example[1] == fractions.Fraction(480, 8)
+  assert per_example[4] / per_example[1] == fractions.Fraction(1, 4)
+  summary = accumulation.summary(four, expectation, parameter_bytes=80,
+                                 examples_per_update=32, accumulate_steps=4)
+  assert summary["bytes_per_example"] == 15.0
+  assert summary["non_applying_busiest_bytes"] == 0
+  assert summary["non_applying_skipped"] == 6
+  assert summary["input_bytes_per_update"] == 4 * 3 * 32
+
+
+def test_with_one_copy_the_towers_read_the_variables_every_micro_batch():
+  one, _, _ = _tiny_update(1, "cpu")
+  assert one["per_update"] == STAR_PACKED_CPU
+  four, variables, step = _tiny_update(4, "cpu")
+  assert step == 1
+  # A run that does not apply: /cpu:0 sends w and b to the 3 other towers
+  # (6 tensors, 240 bytes); the gradients' 3 packs cross once per update.
+  assert four["non_applying"]["devices"] == {
+      "cpu:0": _fields(240, 0, 6, 0),
+      **{"cpu:%d" % i: _fields(0, 80, 0, 2) for i in (1, 2, 3)}}
+  assert four["non_applying"]["skipped"] == 3
+  want = {"cpu:0": _fields(4 * 240, 240, 4 * 6, 3),
+          **{"cpu:%d" % i: _fields(80, 4 * 80, 1, 4 * 2) for i in (1, 2, 3)}}
+  assert four["per_update"] == want
+  assert accumulation.expected_update(
+      variables, ["/cpu:%d" % i for i in range(4)], "cpu", None, 4) == want
+  # 1200 bytes through /cpu:0 per 32 examples against 480 per 8: 0.625x.
+  assert fractions.Fraction(1200, 32) / fractions.Fraction(480, 8) == (
+      fractions.Fraction(5, 8))
+  assert traffic.busiest(four["per_update"]) == ("cpu:0", 1200)
+
+
+def test_a_skipped_send_or_collective_is_in_no_count():
+  graph = tf.Graph()
+  with graph.as_default():
+    with tf.device("/cpu:0"):
+      w = tf.get_variable("w", [4, 4])  # 64 bytes.
+    read = w.value()
+    with tf.device("/cpu:1"):
+      grad = tf.identity(read * 2.0, name="grad")
+
+  def send(name, tensor, source, target):
+    node = tf.NodeDef(name=name, op="_Send", input=[tensor])
+    node.attr["send_device"].s = source.encode()
+    node.attr["recv_device"].s = target.encode()
+    return node
+  cpu = "/job:localhost/replica:0/task:0/device:CPU:%d"
+  partition = tf.GraphDef(node=[send("a", read.name, cpu % 0, cpu % 1),
+                                send("b", grad.name, cpu % 1, cpu % 0)])
+  every = traffic.count([partition], graph, [w], [])
+  assert every["skipped"] == 0
+  assert every["devices"] == {"cpu:0": _fields(64, 64, 1, 1),
+                              "cpu:1": _fields(64, 64, 1, 1)}
+  some = traffic.count([partition], graph, [w], [],
+                       skip=lambda op: op.name == "grad")
+  assert some["skipped"] == 1
+  assert some["devices"] == {"cpu:0": _fields(64, 0, 1, 0),
+                             "cpu:1": _fields(0, 64, 0, 1)}
+
+
+def test_the_apply_branch_is_found_from_the_train_op():
+  with tf.Graph().as_default():
+    x = tf.constant(np.ones([4, 4], np.float32))
+    train_op, built = towers.minimize(
+        _linear, tf.train.GradientDescentOptimizer(0.1), 2, inputs=x,
+        devices=["/cpu:0", "/cpu:1"], variable_device="replicated",
+        accumulate_steps=2)
+    skip = accumulation.in_apply_branch(accumulation.apply_context(train_op))
+    ops = tf.get_default_graph().get_operations()
+    skipped = [op for op in ops if skip(op)]
+    # The reduction and the update of both copies are in it (some named
+    # outside the cond's scope: the context decides, not the name); the
+    # towers, the accumulators' adds and the other branch's count are not.
+    assert any(op.type == "AddV2" and "average_gradients" in op.name
+               for op in skipped)
+    updates = [op for op in ops if op.type == "ResourceApplyGradientDescent"]
+    assert len(updates) == 4 and all(map(skip, updates))
+    adds = [op for op in ops if op.type == "AssignAddVariableOp"]
+    # 2 variables x 2 towers, and the counter's (in the other branch).
+    assert len(adds) == 5 and not any(map(skip, adds))
+    assert not [op for op in ops if op.name.startswith("tower_") and skip(op)]
+    assert not skip(built.applies.op)
+  with tf.Graph().as_default():
+    one_op, _ = towers.minimize(
+        _linear, tf.train.GradientDescentOptimizer(0.1), 2,
+        inputs=tf.constant(np.ones([4, 4], np.float32)),
+        devices=["/cpu:0", "/cpu:1"], variable_device="replicated")
+    with pytest.raises(ValueError, match="Merge"):
+      accumulation.apply_context(one_op)
+  assert accumulation.steps_with_one([4, 2]) == [1, 2, 4]
+  with pytest.raises(ValueError, match="at least 1"):
+    accumulation.steps_with_one([0])
+
+
+def _accumulation_section(speed_4=0.96, bytes_4=None):
+  """Made-up accumulation rows at 4 towers: k=1 and k=4, 2 per tower.
+
+  `speed_4`: k=4's examples/sec over k=1's; `bytes_4`: k=4's bytes through
+  the busiest device per update (default: k=1's, a quarter per example).
+  """
+  def row_of(variant, k, batch, seconds, busiest, timed=True):
+    examples = 4 * batch * k
+    moved = {"parameter_bytes": 80 * MIB, "busiest_device": "cpu:0",
+             "busiest_bytes": busiest, "expected_busiest_bytes": 6 * 80 * MIB,
+             "bytes_per_example": busiest / examples,
+             "expected_bytes_per_example": 6 * 80 * MIB / examples,
+             "non_applying_busiest_bytes": 0 if k > 1 else None,
+             "unsized": []}
+    row = {"variant": variant, "num_towers": 4, "accumulate_steps": k,
+           "per_tower_batch": batch, "examples_per_update": examples,
+           "all_reduce": "add_n", "timed": timed, "traffic": moved}
+    if timed:
+      row.update(median_step_sec=seconds, q1_step_sec=seconds,
+                 q3_step_sec=seconds, step_seconds=[seconds] * 4,
+                 examples_per_sec=examples / seconds)
+    return row
+  p6 = 6 * 80 * MIB
+  rows = [row_of("accumulated", 1, 2, 0.1, p6),
+          row_of("accumulated", 4, 2, 0.4 / speed_4,
+                 p6 if bytes_4 is None else bytes_4),
+          row_of("plain", 1, 8, 0.2, p6)]
+  counted = [row_of("cpu", 1, 2, None, p6, timed=False),
+             row_of("cpu", 4, 2, None, 2.5 * p6, timed=False)]
+  return {"title": "MNIST CNN", "per_tower_batch": 2,
+          "accumulate_steps": [1, 4], "rows": rows, "counted_rows": counted,
+          "comparisons": accumulation.comparisons(rows, counted),
+          "not_run": accumulation.not_run({"4": ["/cpu:%d" % i
+                                                 for i in range(4)]}),
+          "rounds": {"foreign_cores": [0.0], "repeated_rounds": 0}}
+
+
+def test_accumulation_gets_its_bytes_and_speed_verdicts():
+  results = _results(quick=False)
+  results["accumulation"] = _accumulation_section()
+  (entry,) = results["accumulation"]["comparisons"]
+  assert entry["bytes_ratio"] == 0.25
+  assert entry["speed_ratio"] == pytest.approx(0.96)
+  assert entry["speed_interval"] == pytest.approx([0.96, 0.96])
+  # k=4 takes 0.4167 s for 32 examples, plain 0.2 s: 0.48x.
+  assert entry["plain_speed_ratio"] == pytest.approx(0.48)
+  assert entry["cpu_bytes_ratio"] == 0.625
+  report.add_targets(results)
+  verdicts = {(t["scope"], t["target"]): t for t in results["targets"]}
+  assert verdicts[("accumulation x4",
+                   "bytes per example at k=4 = 0.25x k=1's")]["met"]
+  assert verdicts[("accumulation x4",
+                   "examples/sec at k=4 >= 0.95x k=1's")]["met"]
+  table = report.markdown(results)
+  assert "### Gradient accumulation: MNIST CNN, 2 per tower per run\n" in (
+      table)
+  assert ("| 4 | accumulated | 4 | 2 | 32 | 76.8 | 416.7 [416.7, 416.7] | "
+          "cpu:0 480.0 (480.0) | 0.0 | 15360.0 (15360.0) |") in table
+  assert ("| 4 | cpu | 4 | 2 | 32 | not timed | - | cpu:0 1200.0 (480.0) | "
+          "0.0 |") in table
+  assert ("| 4 | 4 | 0.2500x (0.2500x) | 0.960x [0.960, 0.960] | 0.480x "
+          "[0.480, 0.480] | 0.6250x | bytes per example at k=4 = 0.25x "
+          "k=1's: met (0.2500x: 15360.0 vs 61440.0 KiB per example)") in table
+  assert "no GPU: the towers ran on virtual CPU devices" in table
+
+  # One byte more per update, or 10% slower: not met.
+  results = _results(quick=False)
+  results["accumulation"] = _accumulation_section(speed_4=0.9,
+                                                  bytes_4=6 * 80 * MIB + 1)
+  report.add_targets(results)
+  verdicts = {(t["scope"], t["target"]): t for t in results["targets"]}
+  assert not verdicts[("accumulation x4",
+                       "bytes per example at k=4 = 0.25x k=1's")]["met"]
+  assert not verdicts[("accumulation x4",
+                       "examples/sec at k=4 >= 0.95x k=1's")]["met"]
+
+
+def test_quick_accumulation_gives_no_verdicts():
+  results = _results(quick=True)
+  results["accumulation"] = _accumulation_section()
+  report.add_targets(results)
+  assert results["targets"] == []
+  assert results["accumulation"]["comparisons"][0]["targets"] == []
+  table = report.markdown(results)
+  assert "2 per tower per run (quick run)" in table
+  assert not VERDICT.search(table)
