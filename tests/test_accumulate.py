@@ -5,7 +5,10 @@ together (the global batch of all towers and micro-batches), as a single
 device would: one ``opt.minimize`` step per update.
 """
 
-import socket
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +17,8 @@ import tensorflow.compat.v1 as tf
 import towers
 from tests import models
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 OPTIMIZERS = {
     "sgd": lambda: tf.train.GradientDescentOptimizer(0.5),
     "momentum": lambda: tf.train.MomentumOptimizer(0.3, 0.9),
@@ -21,14 +26,14 @@ OPTIMIZERS = {
 }
 
 
-def _batches(sizes, seed=1):
+def make_batches(sizes, seed=1):
   """Micro-batches of the given sizes, of one stream of examples."""
   x, y = models.batch(sum(sizes), seed=seed)
   cuts = np.cumsum([0] + list(sizes))
   return [(x[a:b], y[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def _reference(micro_batches, steps, make_opt, regularize=True,
+def one_device(micro_batches, steps, make_opt, regularize=True,
                learning_rate=None, clip_norm=None):
   """Variables (and optimizer variables) after one-device updates, each on
   `steps` micro-batches together (its gradients clipped to `clip_norm`)."""
@@ -104,10 +109,10 @@ def _assert_close(got, want, atol=1e-5):
 def test_micro_batches_give_the_one_device_update_on_all_of_them(
     optimizer, num_towers, micro_batch, mode):
   # 2 updates of 3 micro-batches; 7 examples over 3 towers are 3, 2, 2.
-  batches = _batches([micro_batch] * 6)
+  batches = make_batches([micro_batch] * 6)
   got, runs, gap, _ = _train(batches, num_towers, 3, OPTIMIZERS[optimizer],
                              variable_device=mode)
-  want = _reference(batches, 3, OPTIMIZERS[optimizer])
+  want = one_device(batches, 3, OPTIMIZERS[optimizer])
   _assert_close(got, want)
   assert runs == [(False, 0), (False, 0), (True, 1),
                   (False, 1), (False, 1), (True, 2)]
@@ -116,44 +121,44 @@ def test_micro_batches_give_the_one_device_update_on_all_of_them(
 
 @pytest.mark.parametrize("mode", ["cpu", "replicated"])
 def test_the_clip_is_of_the_whole_updates_gradient(mode):
-  batches = _batches([4] * 4)
+  batches = make_batches([4] * 4)
   got, _, gap, _ = _train(batches, 2, 2, OPTIMIZERS["momentum"],
                           variable_device=mode, clip_norm=0.05)
-  _assert_close(got, _reference(batches, 2, OPTIMIZERS["momentum"],
+  _assert_close(got, one_device(batches, 2, OPTIMIZERS["momentum"],
                                 clip_norm=0.05))
   # The clip did act: unclipped, the update differs.
-  unclipped = _reference(batches, 2, OPTIMIZERS["momentum"])
+  unclipped = one_device(batches, 2, OPTIMIZERS["momentum"])
   assert max(float(np.max(np.abs(got[k] - unclipped[k]))) for k in got) > 1e-3
   assert gap == 0.0
 
 
 def test_adams_beta_powers_advance_once_per_update():
-  batches = _batches([4] * 8)
+  batches = make_batches([4] * 8)
   got, _, _, _ = _train(batches, 2, 4, OPTIMIZERS["adam"])
   assert got["beta1_power"] == pytest.approx(0.9 ** 3)
   assert got["beta2_power"] == pytest.approx(0.999 ** 3)
-  _assert_close(got, _reference(batches, 4, OPTIMIZERS["adam"]))
+  _assert_close(got, one_device(batches, 4, OPTIMIZERS["adam"]))
 
 
 @pytest.mark.parametrize("all_reduce", ["add_n", "ring", "collective"])
 @pytest.mark.parametrize("pack_bytes", [0, 16 * 1024])
 def test_replicated_all_reduces_and_packing_give_the_one_device_update(
     all_reduce, pack_bytes):
-  batches = _batches([6] * 4)
+  batches = make_batches([6] * 4)
   got, _, gap, _ = _train(batches, 3, 2, OPTIMIZERS["momentum"],
                           variable_device="replicated",
                           all_reduce=all_reduce, pack_bytes=pack_bytes)
-  _assert_close(got, _reference(batches, 2, OPTIMIZERS["momentum"]))
+  _assert_close(got, one_device(batches, 2, OPTIMIZERS["momentum"]))
   assert gap == 0.0
 
 
 def test_micro_batches_of_different_sizes_count_by_their_examples():
   # A final partial micro-batch: 8, 8 and 3 examples are one update of 19.
-  batches = _batches([8, 8, 3, 8, 5, 8])
+  batches = make_batches([8, 8, 3, 8, 5, 8])
   for mode in ["cpu", "replicated"]:
     got, _, _, _ = _train(batches, 2, 3, OPTIMIZERS["sgd"], dynamic=True,
                           variable_device=mode)
-    _assert_close(got, _reference(batches, 3, OPTIMIZERS["sgd"]))
+    _assert_close(got, one_device(batches, 3, OPTIMIZERS["sgd"]))
 
 
 def test_the_global_step_and_a_schedule_count_applied_updates():
@@ -163,22 +168,22 @@ def test_the_global_step_and_a_schedule_count_applied_updates():
   def make_opt(rate):
     return tf.train.GradientDescentOptimizer(rate)
 
-  batches = _batches([4] * 6)
+  batches = make_batches([4] * 6)
   got, runs, _, rate = _train(batches, 2, 2, make_opt,
                               learning_rate=schedule,
                               fetch=lambda t: tf.get_default_graph()
                               .get_tensor_by_name("ExponentialDecay:0"))
   assert [step for _, step in runs] == [0, 1, 1, 2, 2, 3]
   assert rate == pytest.approx(0.5 ** 3)
-  _assert_close(got, _reference(batches, 2, make_opt,
+  _assert_close(got, one_device(batches, 2, make_opt,
                                 learning_rate=schedule))
 
 
 def test_one_step_applies_every_run_as_before():
-  batches = _batches([4] * 3)
+  batches = make_batches([4] * 3)
   got, runs, _, _ = _train(batches, 2, 1, OPTIMIZERS["momentum"])
   assert runs == [(True, 1), (True, 2), (True, 3)]
-  _assert_close(got, _reference(batches, 1, OPTIMIZERS["momentum"]))
+  _assert_close(got, one_device(batches, 1, OPTIMIZERS["momentum"]))
   with tf.Graph().as_default() as g:
     x, y = models.batch(4)
     towers.minimize(models.model_fn(), OPTIMIZERS["sgd"](), 2,
@@ -220,7 +225,7 @@ def _single_device_variables():
 
 
 def test_a_restore_mid_accumulation_starts_a_fresh_one(tmp_path):
-  batches = _batches([4] * 8)
+  batches = make_batches([4] * 8)
   make_opt = OPTIMIZERS["momentum"]
 
   def build():
@@ -254,12 +259,12 @@ def test_a_restore_mid_accumulation_starts_a_fresh_one(tmp_path):
       got = {v.op.name: sess.run(v) for v in tf.global_variables()}
   assert path
   # The restored run applied micro-batches 5-7 only: 3, 4 were dropped.
-  _assert_close(got, _reference(batches[:3] + batches[5:], 3, make_opt))
+  _assert_close(got, one_device(batches[:3] + batches[5:], 3, make_opt))
 
 
 @pytest.mark.parametrize("mode", ["cpu", "replicated"])
 def test_an_overflow_in_any_micro_batch_skips_the_whole_update(mode):
-  batches = _batches([4] * 6)
+  batches = make_batches([4] * 6)
   with tf.Graph().as_default():
     x = tf.placeholder(tf.float32, [4, models.IN])
     y = tf.placeholder(tf.int32, [4])
@@ -291,7 +296,7 @@ def test_an_overflow_in_any_micro_batch_skips_the_whole_update(mode):
   assert sorted(copies) == (sorted(got) if mode == "replicated" else [])
   _assert_close(copies, {k: got[k] for k in copies}, atol=0)
   _assert_close(skipped, before, atol=0)
-  want = _reference(batches[3:], 3, OPTIMIZERS["sgd"], regularize=False)
+  want = one_device(batches[3:], 3, OPTIMIZERS["sgd"], regularize=False)
   _assert_close(got, {k: want[k] for k in got})
 
 
@@ -387,7 +392,7 @@ def _run_bn(normalize, num_towers, steps, feeds):
 
 
 def test_update_ops_run_once_per_micro_batch():
-  batches = _batches([4] * 4)
+  batches = make_batches([4] * 4)
   got = _run_bn(_bn_layer, 2, 4, batches)
   # The update comes after the 4th micro-batch's statistics: all 4 were
   # taken with the initial weights. Tower 0's updates stand for all, as
@@ -414,7 +419,7 @@ def test_synchronized_batch_norm_normalizes_over_one_micro_batch():
   # What holds: N towers x k micro-batches of b are one device taking the
   # same k micro-batches of N*b (the towers' batch-norm statistics are
   # each micro-batch's, not the whole update's).
-  batches = _batches([6] * 4)
+  batches = make_batches([6] * 4)
   got = _run_bn(_sync_bn_layer, 3, 2, batches)
   want = _run_bn(_sync_bn_layer, 1, 2, batches)
   _assert_close(got, want)
@@ -457,7 +462,7 @@ def test_accumulate_gradients_checks_its_arguments():
 
 
 def test_the_by_hand_flow_accumulates_with_accumulate_gradients():
-  batches = _batches([4] * 4)
+  batches = make_batches([4] * 4)
   make_opt = OPTIMIZERS["momentum"]
   with tf.Graph().as_default():
     x = tf.placeholder(tf.float32, [4, models.IN])
@@ -481,47 +486,22 @@ def test_the_by_hand_flow_accumulates_with_accumulate_gradients():
         flags.append(sess.run([applies, train_op], {x: bx, y: by})[0])
       got = {v.op.name: sess.run(v) for v in tf.global_variables()}
   assert flags == [False, True, False, True]
-  _assert_close(got, _reference(batches, 2, make_opt))
+  _assert_close(got, one_device(batches, 2, make_opt))
 
 
-def test_with_parameter_servers_nothing_is_accumulated_on_them():
+def test_with_parameter_servers_nothing_is_accumulated_on_them(pytestconfig):
   # Every worker shares a parameter server's variables: an accumulator
-  # there would sum every worker's micro-batches. One ps and one worker on
-  # loopback, in this process.
-  cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:%d" % _free_port()],
-                                  "worker": ["127.0.0.1:%d" % _free_port()]})
-  config = models.config(2)
-  tf.train.Server(cluster, job_name="ps", task_index=0, config=config)
-  worker = tf.train.Server(cluster, job_name="worker", task_index=0,
-                           config=config)
-  batches = _batches([4] * 4)
-  make_opt = OPTIMIZERS["momentum"]
-  task = "/job:worker/task:0"
-  with tf.Graph().as_default():
-    setter = tf.train.replica_device_setter(ps_tasks=1, worker_device=task)
-    with tf.device(setter):
-      x = tf.placeholder(tf.float32, [4, models.IN])
-      y = tf.placeholder(tf.int32, [4])
-      global_step = tf.train.get_or_create_global_step()
-      train_op, _ = towers.minimize(
-          models.model_fn(True), make_opt(), 2, inputs=(x, y),
-          devices=towers.tower_devices(2, task=task),
-          variable_device=setter, average_device=task + "/cpu:0",
-          global_step=global_step, accumulate_steps=2)
-    accumulators = [v for v in tf.local_variables()
-                    if v.op.name.startswith("accumulate_gradients/")]
-    assert accumulators and all(v.device.startswith(task)
-                                for v in accumulators)
-    with tf.Session(worker.target, config=config) as sess:
-      sess.run(tf.global_variables_initializer())
-      sess.run(tf.local_variables_initializer())
-      for bx, by in batches:
-        sess.run(train_op, {x: bx, y: by})
-      got = {v.op.name: sess.run(v) for v in tf.global_variables()}
-  _assert_close(got, _reference(batches, 2, make_opt))
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  # there would sum every worker's micro-batches. Its servers run in a
+  # process of their own, which ends with them.
+  done = subprocess.run(
+      [sys.executable, os.path.join(HERE, "accumulate_ps_run.py")] + (
+          ["--ref-variables"] if pytestconfig.getoption("--ref-variables")
+          else []),
+      capture_output=True, text=True, timeout=300, check=False,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert result["accumulators"] > 0
+  assert result["on_parameter_servers"] == []
+  assert result["largest_gap"] <= 1e-5
+  assert result["global_step"] == 2

@@ -1117,6 +1117,14 @@ def test_across_workers_runs_alone_and_counts_what_crosses_tasks(tmp_path):
   assert not VERDICT.search(table)
 
 
+def _send(name, tensor, source, target):
+  """A partition graph's ``_Send`` of `tensor` from `source` to `target`."""
+  node = tf.NodeDef(name=name, op="_Send", input=[tensor])
+  node.attr["send_device"].s = source.encode()
+  node.attr["recv_device"].s = target.encode()
+  return node
+
+
 def test_sends_between_tasks_are_counted_by_task():
   graph = tf.Graph()
   with graph.as_default():
@@ -1126,17 +1134,12 @@ def test_sends_between_tasks_are_counted_by_task():
     with tf.device("/job:worker/task:1/cpu:0"):
       grad = tf.identity(read * 2.0, name="grad")
 
-  def send(name, tensor, source, target):
-    node = tf.NodeDef(name=name, op="_Send", input=[tensor])
-    node.attr["send_device"].s = source.encode()
-    node.attr["recv_device"].s = target.encode()
-    return node
   ps0 = "/job:ps/replica:0/task:0/device:CPU:0"
   w1 = "/job:worker/replica:0/task:1/device:CPU:%d"
   partition = tf.GraphDef(node=[
-      send("a", read.name, ps0, w1 % 0),
-      send("b", grad.name, w1 % 0, w1 % 1),  # Within one task: not counted.
-      send("c", grad.name, w1 % 1, ps0)])
+      _send("a", read.name, ps0, w1 % 0),
+      _send("b", grad.name, w1 % 0, w1 % 1),  # Within one task: not counted.
+      _send("c", grad.name, w1 % 1, ps0)])
   moved = traffic.count([partition], graph, [w], [], tasks=True)
   assert moved["devices"] == {
       "ps:0": _fields(64, 64, 1, 1), "worker:1": _fields(64, 64, 1, 1)}
@@ -1273,15 +1276,9 @@ def test_a_skipped_send_or_collective_is_in_no_count():
     read = w.value()
     with tf.device("/cpu:1"):
       grad = tf.identity(read * 2.0, name="grad")
-
-  def send(name, tensor, source, target):
-    node = tf.NodeDef(name=name, op="_Send", input=[tensor])
-    node.attr["send_device"].s = source.encode()
-    node.attr["recv_device"].s = target.encode()
-    return node
   cpu = "/job:localhost/replica:0/task:0/device:CPU:%d"
-  partition = tf.GraphDef(node=[send("a", read.name, cpu % 0, cpu % 1),
-                                send("b", grad.name, cpu % 1, cpu % 0)])
+  partition = tf.GraphDef(node=[_send("a", read.name, cpu % 0, cpu % 1),
+                                _send("b", grad.name, cpu % 1, cpu % 0)])
   every = traffic.count([partition], graph, [w], [])
   assert every["skipped"] == 0
   assert every["devices"] == {"cpu:0": _fields(64, 64, 1, 1),
