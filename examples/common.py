@@ -611,16 +611,18 @@ class StepLogger(tf.train.SessionRunHook):
     self._start = time.time()
 
   def before_run(self, run_context):
-    fetches = [self._loss, self._global_step,
-               True if self._applies is None else self._applies]
+    fetches = {"loss": self._loss, "global_step": self._global_step}
+    if self._applies is not None:
+      fetches["applies"] = self._applies
     if self._loss_scale is not None:
-      fetches.append(self._loss_scale)
+      fetches["loss_scale"] = self._loss_scale
     return tf.train.SessionRunArgs(fetches)
 
   def after_run(self, run_context, run_values):
-    loss, global_step, applied = run_values.results[:3]
-    loss_scale = run_values.results[3] if self._loss_scale is not None \
-        else None
+    loss, global_step = (run_values.results[k]
+                         for k in ("loss", "global_step"))
+    applied = run_values.results.get("applies", True)
+    loss_scale = run_values.results.get("loss_scale")
     loss = float(loss)
     if math.isnan(loss):
       raise FloatingPointError(
