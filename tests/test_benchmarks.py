@@ -1125,15 +1125,22 @@ def _send(name, tensor, source, target):
   return node
 
 
-def test_sends_between_tasks_are_counted_by_task():
+def _read_and_gradient(variable_device, gradient_device):
+  """A graph of a 64-byte variable, its read, and a "gradient" on another
+  device: ``(graph, w, read, grad)``."""
   graph = tf.Graph()
   with graph.as_default():
-    with tf.device("/job:ps/task:0/cpu:0"):
-      w = tf.get_variable("w", [4, 4])  # 64 bytes.
+    with tf.device(variable_device):
+      w = tf.get_variable("w", [4, 4])
     read = w.value()
-    with tf.device("/job:worker/task:1/cpu:0"):
+    with tf.device(gradient_device):
       grad = tf.identity(read * 2.0, name="grad")
+  return graph, w, read, grad
 
+
+def test_sends_between_tasks_are_counted_by_task():
+  graph, w, read, grad = _read_and_gradient("/job:ps/task:0/cpu:0",
+                                            "/job:worker/task:1/cpu:0")
   ps0 = "/job:ps/replica:0/task:0/device:CPU:0"
   w1 = "/job:worker/replica:0/task:1/device:CPU:%d"
   partition = tf.GraphDef(node=[
@@ -1269,13 +1276,7 @@ def test_with_one_copy_the_towers_read_the_variables_every_micro_batch():
 
 
 def test_a_skipped_send_or_collective_is_in_no_count():
-  graph = tf.Graph()
-  with graph.as_default():
-    with tf.device("/cpu:0"):
-      w = tf.get_variable("w", [4, 4])  # 64 bytes.
-    read = w.value()
-    with tf.device("/cpu:1"):
-      grad = tf.identity(read * 2.0, name="grad")
+  graph, w, read, grad = _read_and_gradient("/cpu:0", "/cpu:1")
   cpu = "/job:localhost/replica:0/task:0/device:CPU:%d"
   partition = tf.GraphDef(node=[_send("a", read.name, cpu % 0, cpu % 1),
                                 _send("b", grad.name, cpu % 1, cpu % 0)])

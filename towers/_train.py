@@ -27,11 +27,9 @@ def minimize(model_fn: Callable[..., object],
   """Builds the towers and one synchronous training step over all of them.
 
   The seed's step in one call: `build_towers`, `average_gradients` with the
-  towers' weights (also waiting for the update ops and the losses, so a
-  loss fetched with the step is the one before it), optionally a clip of
-  the averaged gradients by their global norm, then `apply_gradients`;
-  with `accumulate_steps`, that step runs through `accumulate_gradients`.
-  See docs/api.md for the long form.
+  towers' weights (also waiting for the update ops and the losses), an
+  optional clip by global norm, then `apply_gradients`; with
+  `accumulate_steps`, through `accumulate_gradients`. See docs/api.md.
 
   Args:
     model_fn: as for `build_towers`.
