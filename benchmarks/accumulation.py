@@ -274,10 +274,6 @@ def count_update(session: tf.Session, train_op: tf.Operation,
           "runs": runs}
 
 
-def _bytes(var: tf.Variable) -> int:
-  return var.shape.num_elements() * var.dtype.base_dtype.size
-
-
 class AccumulationStep:
   """One row's training step, built, initialized, counted, ready to time.
 
@@ -354,12 +350,11 @@ class AccumulationStep:
     except BaseException:
       self.close()
       raise
-    variables = [(v.device, _bytes(v), v.dtype.base_dtype.name)
-                 for v in trainable]
+    variables = traffic.variable_rows(trainable)
     self.traffic = summary(
         moved, expected_update(variables, devices, VARIABLE_DEVICES[variant],
                                self.all_reduce, accumulate_steps),
-        parameter_bytes=sum(_bytes(v) for v in trainable),
+        parameter_bytes=sum(map(traffic.variable_bytes, trainable)),
         examples_per_update=self.examples_per_update,
         accumulate_steps=accumulate_steps)
 

@@ -523,9 +523,8 @@ class _Worker:
           if not v.op.name.startswith("synthetic_data/")
           and "sync_rep_local_step" not in v.op.name]
       self._data = list(data)
-      self.parameter_bytes = sum(
-          v.shape.num_elements() * v.dtype.base_dtype.size
-          for v in tf.trainable_variables())
+      self.parameter_bytes = sum(map(traffic.variable_bytes,
+                                     tf.trainable_variables()))
     self.session = None
 
   def init(self) -> None:

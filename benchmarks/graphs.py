@@ -201,8 +201,7 @@ class GraphStep:
       # session or reader thread behind.
       self.close()
       raise
-    variables = [(v.device, _bytes(v), v.dtype.base_dtype.name)
-                 for v in trainable]
+    variables = traffic.variable_rows(trainable)
     replicated = UNPACKED.get(variant, variant) in REPLICATED
     expectation = traffic.expected(
         PATTERNS[variant], variables, devices, pack_bytes=self.pack_bytes,
@@ -213,7 +212,7 @@ class GraphStep:
                                                  pack_bytes=self.pack_bytes)
     self.traffic = traffic.summarize(
         measured, expectation,
-        parameter_bytes=sum(_bytes(v) for v in trainable),
+        parameter_bytes=sum(map(traffic.variable_bytes, trainable)),
         pack_bytes=self.pack_bytes, expected_collectives=collectives)
 
   def run(self, steps: int) -> List[float]:
@@ -263,10 +262,6 @@ def pack_bytes_in_effect(variant: str,
     # The library's default, read from its public signature.
     return inspect.signature(towers.minimize).parameters["pack_bytes"].default
   return pack_bytes
-
-
-def _bytes(var: tf.Variable) -> int:
-  return var.shape.num_elements() * var.dtype.base_dtype.size
 
 
 def data_on_cpu(images: np.ndarray, labels: np.ndarray, *,

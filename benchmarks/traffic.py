@@ -299,6 +299,18 @@ def _is_control_dummy(node) -> bool:
   return any(d.size == 0 for d in dims)
 
 
+def variable_bytes(var: tf.Variable) -> int:
+  """Returns a variable's bytes, from its static shape."""
+  return var.shape.num_elements() * var.dtype.base_dtype.size
+
+
+def variable_rows(variables: Sequence[tf.Variable]) -> List[tuple]:
+  """Returns ``(device, bytes, dtype name)`` of each variable: what
+  `reductions`, `expected` and `expected_collectives` take."""
+  return [(v.device, variable_bytes(v), v.dtype.base_dtype.name)
+          for v in variables]
+
+
 def reductions(variables: Sequence[tuple], num_towers: int,
                pack_bytes: int) -> List[Tuple[str, float]]:
   """Returns what the design reduces: ``(home device, bytes)`` per tensor.

@@ -460,8 +460,7 @@ def _tiny_traffic(model_fn=_linear, num_towers=4, **minimize_kwargs):
     train_op, _ = towers.minimize(
         model_fn, tf.train.GradientDescentOptimizer(0.1), num_towers,
         inputs=x, devices=devices, **minimize_kwargs)
-    variables = [(v.device, v.shape.num_elements() * v.dtype.size,
-                  v.dtype.base_dtype.name) for v in tf.trainable_variables()]
+    variables = traffic.variable_rows(tf.trainable_variables())
     parameters = tf.trainable_variables() + tf.local_variables()
     init = tf.global_variables_initializer()
     local_init = tf.local_variables_initializer()
@@ -1193,8 +1192,7 @@ def _tiny_update(accumulate_steps, variable_device="replicated"):
         _linear, tf.train.GradientDescentOptimizer(0.1), 4, inputs=x,
         devices=devices, variable_device=variable_device, global_step=step,
         accumulate_steps=accumulate_steps)
-    variables = [(v.device, v.shape.num_elements() * v.dtype.size,
-                  v.dtype.base_dtype.name) for v in tf.trainable_variables()]
+    variables = traffic.variable_rows(tf.trainable_variables())
     counted = accumulation.parameters(graph, built.applies)
     init = tf.global_variables_initializer()
     local_init = tf.local_variables_initializer()
