@@ -15,7 +15,7 @@ sections (`run.interleave`):
   ``variable_device``), the towers' gradients averaged on the worker's CPU
   (``average_device``) and aggregated by ``tf.train.SyncReplicasOptimizer``
   (2 replicas to aggregate of 2) through its session hook
-  (`examples/cluster.py`'s ``sync_replicas_hook``).
+  (``towers.training.sync_replicas_hook``).
 - **collective**: 2 worker tasks and no ps: each worker keeps its own
   copies (``variable_device='replicated'``) and all-reduces its towers'
   gradients with the other worker's in one collective group of all 4 towers
@@ -53,7 +53,6 @@ Bytes per worker per step, two ways:
 """
 
 import collections
-import importlib
 import json
 import os
 import queue
@@ -68,6 +67,7 @@ from absl import logging
 import tensorflow.compat.v1 as tf
 
 import towers
+from towers import training
 from benchmarks import graphs
 from benchmarks import report
 from benchmarks import traffic
@@ -248,7 +248,7 @@ class Cluster:
       self.num_workers = NUM_WORKERS
       self.towers_per_worker = TOWERS_PER_WORKER
       # The launcher's own way to pick ports.
-      ports = _example("launch_local_cluster").free_ports(
+      ports = training.free_ports(
           NUM_WORKERS + (1 if kind == PS else 0))
       hosts = {"worker": ["127.0.0.1:%d" % p for p in ports[:NUM_WORKERS]]}
       if kind == PS:
@@ -476,7 +476,7 @@ class _Worker:
     if self._kind == COLLECTIVE:
       # The server's and the session's: task 0 resolves the groups.
       server_config.experimental.collective_group_leader = (
-          _example_cluster().COLLECTIVE_LEADER)
+          training.COLLECTIVE_LEADER)
     self.server = tf.train.Server(cluster, job_name="worker", task_index=k,
                                   config=server_config)
     # A step that waits for a task that never comes fails instead of
@@ -509,7 +509,7 @@ class _Worker:
       if self._kind == PS:
         self.train_op, opt = _ps_step(model_fn, opt, cluster, task, devices,
                                       data, spec["num_workers"])
-        self._hooks = [_example_cluster().sync_replicas_hook(
+        self._hooks = [training.sync_replicas_hook(
             opt, self.is_chief)]
       else:
         self.train_op, self._sync = _collective_step(
@@ -532,7 +532,7 @@ class _Worker:
     with self.graph.as_default():
       if self._kind == PS:
         if not self.is_chief:
-          _example_cluster().wait_for_model(
+          training.wait_for_model(
               self.server.target, self._config,
               timeout_secs=graphs.STEP_TIMEOUT_MS / 1000)
         self.session = tf.train.MonitoredTrainingSession(
@@ -593,18 +593,6 @@ class _Baseline:
 
   def close(self) -> None:
     self._step.close()
-
-
-def _example_cluster():
-  """examples/cluster.py: the example's session hook and wait."""
-  return _example("cluster")
-
-
-def _example(name: str):
-  """The example module `name` (examples/ added to the path)."""
-  if workloads.EXAMPLES_DIR not in sys.path:
-    sys.path.insert(0, workloads.EXAMPLES_DIR)
-  return importlib.import_module(name)
 
 
 def _serve(spec: Dict[str, object], reply) -> None:

@@ -1,25 +1,21 @@
-"""What the MNIST and CIFAR-10 examples share.
+"""What the MNIST and CIFAR-10 examples share, beside `towers.training`.
 
-Devices (GPUs, or virtual CPUs with one log line saying so), flag checks
-(directory flags included), the training loop with the original tutorial's
-log line, NaN stop, checkpoints, summaries, resume and a checkpoint on
-SIGTERM/SIGINT, the evaluation schedule, each TensorFlow log line once,
-input pipelines whose session closes at once, and cached, hash-checked
-downloads (the training directory's lock and checks are in traindir.py).
-Example code, not part of the `towers` library.
+Flags and their checks (bounds, directories, the cluster flags), the
+towers' log lines, devices (GPUs, or virtual CPUs with one log line saying
+so), the evaluation schedule, a script's exit codes, each TensorFlow log
+line once, input pipelines whose session closes at once, and cached,
+hash-checked downloads.
 """
 
 import contextlib
 import functools
 import hashlib
+import inspect
 import logging as std_logging
-import math
 import os
-import signal
-import threading
 import time
 import urllib.request
-from typing import (Callable, Iterable, List, Mapping, Optional, Sequence,
+from typing import (Callable, List, Mapping, Optional, Sequence,
                     Tuple)
 
 from absl import app
@@ -28,7 +24,7 @@ from absl import logging
 import tensorflow.compat.v1 as tf
 
 import towers
-import traindir
+from towers import training
 
 
 class FlagError(ValueError):
@@ -150,159 +146,156 @@ def check_default_eval_dir(checkpoint_dir: str) -> str:
   return eval_dir
 
 
-# --variable_device: the towers' one-copy placements (`towers.build_towers`'
-# 'cpu', 'gpu', 'balanced'), or a copy of each variable on every tower.
-VARIABLE_DEVICES = ("cpu", "gpu", "balanced", "replicated")
-# --all_reduce: how replicated towers sum their gradients ('auto': towers'
-# rule, 'collective' on distinct GPUs, else 'add_n').
-ALL_REDUCE = ("auto", "add_n", "ring", "collective")
-
-
-def check_variable_flags(variable_device: str, all_reduce: str,
-                         distributed: bool = False,
-                         collective: bool = False) -> None:
-  """Checks a --variable_device and --all_reduce combination.
-
-  --all_reduce chooses how the towers' copies of the variables are kept
-  identical, so it is set only with --variable_device=replicated. A cluster
-  with parameter servers (--ps_hosts) keeps one copy of each variable
-  there, updated by a ``tf.train.SyncReplicasOptimizer``, which towers does
-  not replicate: there --variable_device keeps its default. A collective
-  cluster (`collective`: --worker_hosts without --ps_hosts) is always
-  replicated and all-reduced with collective ops: the flags may say so, or
-  keep their defaults.
-
-  Raises:
-    FlagError: for an unknown value, or a combination that cannot work,
-      naming the flags and the fix.
-  """
-  for name, value, choices in (("variable_device", variable_device,
-                                VARIABLE_DEVICES),
-                               ("all_reduce", all_reduce, ALL_REDUCE)):
-    if value not in choices:
-      raise FlagError("--%s=%s must be one of %s"
-                      % (name, value, ", ".join(choices)))
-  if collective:
-    if (variable_device not in ("cpu", "replicated") or
-        all_reduce not in ("auto", "collective")):
-      raise FlagError(
-          "--variable_device=%s --all_reduce=%s: a cluster without "
-          "--ps_hosts (collective mode) keeps a copy of the variables on "
-          "every tower of every worker, all-reduced with collective ops: "
-          "drop both flags, or give --ps_hosts"
-          % (variable_device, all_reduce))
-    return
-  if all_reduce != "auto" and variable_device != "replicated":
-    raise FlagError(
-        "--all_reduce=%s applies to --variable_device=replicated only (it "
-        "sums the gradients of the towers' copies of the variables); with "
-        "--variable_device=%s the towers share one copy: add "
-        "--variable_device=replicated, or drop --all_reduce"
-        % (all_reduce, variable_device))
-  if distributed and variable_device != "cpu":
-    raise FlagError(
-        "--variable_device=%s applies to training on one machine: with "
-        "--ps_hosts the variables live on the parameter servers, one copy "
-        "updated through SyncReplicasOptimizer (which towers does not "
-        "replicate); drop --variable_device, or train without --ps_hosts "
-        "and --worker_hosts (or --worker_hosts alone, collective mode)"
-        % variable_device)
-
-
-def define_variable_flags(note: str = "") -> None:
-  """Defines --variable_device and --all_reduce; `note` ends the first help."""
-  flags.DEFINE_enum("variable_device", "cpu", list(VARIABLE_DEVICES),
-                    "Where the variables live: one copy on the CPU (the "
-                    "original's), on the first tower's device, or balanced "
-                    "over the towers' devices; or 'replicated', a copy on "
-                    "every tower." + note)
-  flags.DEFINE_enum("all_reduce", "auto", list(ALL_REDUCE),
-                    "With --variable_device=replicated, how the copies' "
-                    "gradients are summed: add_n (on the first tower's "
-                    "device, exactly the one-copy step), ring (graph ops), "
-                    "collective (NCCL on GPUs); auto: collective when every "
-                    "tower is a GPU, else add_n.")
-
-
 # --pack_bytes' default: towers.minimize's, written out because the examples
 # use the library's public API only (a test checks that the two agree).
 DEFAULT_PACK_BYTES = 16384
-
-
-def define_pack_bytes_flag() -> None:
-  """Defines --pack_bytes, passed to `towers.minimize` as `pack_bytes`."""
-  flags.DEFINE_integer("pack_bytes", DEFAULT_PACK_BYTES,
-                       "Gradients of at most this many bytes are packed: "
-                       "those reduced alike are concatenated on each tower, "
-                       "reduced in one transfer and split back. 0 turns "
-                       "packing off. The results are the same either way "
-                       "(bit for bit; with --all_reduce=collective over 3 "
-                       "or more towers, within rounding).")
-
-
-# --precision: the dtype the towers compute in (`towers.minimize`'s
-# compute_dtype); the variables stay float32 whatever it is.
 PRECISIONS = ("float32", "float16", "bfloat16")
 
 
-def check_precision(precision: str, distributed: bool = False,
-                    collective: bool = False) -> None:
-  """Checks --precision, alone and with a cluster.
+def define_towers_flags(precision: bool = True) -> None:
+  """Defines the flags passed to `towers.minimize` (--precision optional)."""
+  flags.DEFINE_enum("variable_device", "cpu",
+                    ["cpu", "gpu", "balanced", "replicated"],
+                    "Where the variables live: one copy on the CPU (the "
+                    "original's), on the first tower's device, balanced over "
+                    "the towers; or a copy on every tower (replicated).")
+  flags.DEFINE_enum("all_reduce", "auto",
+                    ["auto", "add_n", "ring", "collective"],
+                    "With --variable_device=replicated, how the copies' "
+                    "gradients are summed (auto: collective between GPUs, "
+                    "else add_n).")
+  flags.DEFINE_integer("pack_bytes", DEFAULT_PACK_BYTES, "Gradients of at "
+                       "most this many bytes are reduced in packs (0: "
+                       "off); the results are the same.")
+  if precision:
+    flags.DEFINE_enum("precision", "float32", list(PRECISIONS),
+                      "The dtype the towers compute in, on float32 master "
+                      "weights; float16 adds dynamic loss scaling.")
+  flags.DEFINE_boolean("xla", False, "Compile each tower's model and "
+                       "gradient with XLA (the same results within "
+                       "rounding).")
+  flags.DEFINE_boolean("stage_inputs", False, "Read each tower's next "
+                       "batch ahead and stage it on its device.")
 
-  In a cluster with parameter servers (--ps_hosts) a
-  ``tf.train.SyncReplicasOptimizer`` applies the workers' gradients, and it
-  needs every worker's gradients at every step, so float16's loss scaling,
-  which skips the steps whose gradients overflow, cannot work there. In
-  collective mode (`collective`: --worker_hosts alone) every worker would
-  skip the same steps (they see the same all-reduced gradients), but that
-  is not tested, so float16 is refused there too. bfloat16 needs no loss
-  scaling. (The other fast paths, --xla and --stage_inputs, work in a
-  cluster.)
+
+def define_cluster_flags() -> None:
+  """Defines the classic TF1 cluster flags, and the bounds of their waits."""
+  flags.DEFINE_list("ps_hosts", [], "Parameter servers' host:port list, the "
+                    "same on every task; empty: this machine alone, or, "
+                    "with --worker_hosts, collective mode.")
+  flags.DEFINE_list("worker_hosts", [], "Workers' host:port list, the same "
+                    "on every task; the first is the chief.")
+  flags.DEFINE_enum("job_name", "worker", ["ps", "worker"], "This task's "
+                    "job.")
+  flags.DEFINE_integer("task_index", 0, "This task's index in its job's "
+                       "list.")
+  flags.DEFINE_integer("replicas_to_aggregate", None, "Workers' gradients "
+                       "per step (default all; fewer makes backup workers).")
+  flags.DEFINE_float("startup_timeout_secs", 60, "Seconds a worker waits "
+                     "for the other tasks and the chief.")
+  flags.DEFINE_float("step_timeout_secs", 300, "A session op waiting longer "
+                     "for another task fails; a worker with no step for 15 s "
+                     "more stops, saying why and how to resume.")
+  flags.DEFINE_float("stall_log_secs", 30, "A step waiting longer logs what "
+                     "it waits for, then at least once a minute.")
+
+
+def check_cluster_flags(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
+                        variable_device: str, all_reduce: str,
+                        precision: str,
+                        replicas_to_aggregate: Optional[int]) -> int:
+  """Checks the flags a cluster changes; returns the replicas per step.
+
+  Checked before the task's server starts, so that a wrong flag is an error
+  at once rather than after the wait for the other tasks.
 
   Raises:
-    FlagError: for an unknown precision, or float16 in a cluster, naming
-      the flags and the fix.
+    FlagError: naming the flags and the fix.
   """
-  if precision not in PRECISIONS:
-    raise FlagError("--precision=%s must be one of %s"
-                    % (precision, ", ".join(PRECISIONS)))
-  if collective and precision == "float16":
+  collective = not ps_hosts
+  replicas = replicas_to_aggregate or len(worker_hosts)
+  if collective and (variable_device not in ("cpu", "replicated") or
+                     all_reduce not in ("auto", "collective")):
+    raise FlagError(
+        "--variable_device=%s --all_reduce=%s: a cluster without --ps_hosts "
+        "(collective mode) keeps a copy of the variables on every tower of "
+        "every worker, all-reduced with collective ops: drop both flags, or "
+        "give --ps_hosts" % (variable_device, all_reduce))
+  if not collective and variable_device != "cpu":
+    raise FlagError(
+        "--variable_device=%s applies to training on one machine: with "
+        "--ps_hosts the variables live on the parameter servers, one copy "
+        "updated through SyncReplicasOptimizer; drop --variable_device"
+        % variable_device)
+  if precision == "float16":
     raise FlagError(
         "--precision=float16 needs loss scaling, which skips the steps whose "
-        "gradients overflow, and that skip is not tested across the workers "
-        "of collective mode (--worker_hosts without --ps_hosts): use "
-        "--precision=bfloat16 (float32's range, no loss scaling), or train "
-        "without --worker_hosts")
-  if distributed and precision == "float16":
+        "gradients overflow, %s: use --precision=bfloat16 (float32's range, "
+        "no loss scaling)" % (
+            "and that skip is not tested across the workers of collective "
+            "mode" if collective else "but with --ps_hosts "
+            "SyncReplicasOptimizer needs every worker's gradients at every "
+            "step"))
+  if not worker_hosts:
+    return 1  # start_task says what is missing.
+  if collective and replicas != len(worker_hosts):
     raise FlagError(
-        "--precision=float16 needs loss scaling, which skips the steps whose "
-        "gradients overflow, but with --ps_hosts SyncReplicasOptimizer needs "
-        "every worker's gradients at every step: use --precision=bfloat16 "
-        "(float32's range, no loss scaling), or train without --ps_hosts and "
-        "--worker_hosts")
+        "--replicas_to_aggregate=%d but collective mode (no --ps_hosts) has "
+        "no backup workers: drop --replicas_to_aggregate, or give --ps_hosts"
+        % replicas)
+  if not 1 <= replicas <= len(worker_hosts):
+    raise FlagError(
+        "--replicas_to_aggregate=%d but --worker_hosts lists %d workers; it "
+        "must be between 1 and the number of workers"
+        % (replicas, len(worker_hosts)))
+  return replicas
 
 
-def define_precision_flag(note: str = "") -> None:
-  """Defines --precision; `note` ends its help."""
-  flags.DEFINE_enum("precision", "float32", list(PRECISIONS),
-                    "The dtype the towers compute in. float16 or bfloat16: "
-                    "the weights stay float32 (what is averaged, updated "
-                    "and saved, under the float32 names) and each tower "
-                    "computes on half-precision casts of them; float16 "
-                    "adds dynamic loss scaling (the loss scale is logged "
-                    "and summarized)." + note)
+def register_flag_checks(bounds: Mapping[str, Bounds],
+                         directories: Optional[Mapping[str, str]] = None
+                        ) -> None:
+  """Has absl check the flags' bounds and directories when it parses them.
+
+  A flag out of its `bounds`, or a directory flag `dir_problem` refuses
+  (`directories` maps a flag to `WRITTEN` or `READ`), stops the script
+  before anything is built, in one line naming the flag. Only defined flags
+  are checked: `bounds` may hold `train` arguments that are not flags.
+  """
+  for name, b in bounds.items():
+    if name in flags.FLAGS:
+      flags.register_validator(
+          name, lambda v, b=b: v is None or _in_bounds(v, b),
+          message="must be %s" % _describe(b))
+  for name, kind in (directories or {}).items():
+    flags.register_validator(name, functools.partial(_check_dir_flag,
+                                                     kind=kind))
+  cluster = ("ps_hosts", "worker_hosts", "variable_device", "all_reduce",
+             "precision", "replicas_to_aggregate")
+  if all(name in flags.FLAGS for name in cluster):
+    flags.register_multi_flags_validator(cluster, _check_cluster_flags)
 
 
-def define_xla_and_staging_flags() -> None:
-  """Defines --xla and --stage_inputs."""
-  flags.DEFINE_boolean("xla", False, "Compile each tower's model and its "
-                       "gradient with XLA (tf.xla.experimental.jit_scope); "
-                       "results agree with the default's within rounding, "
-                       "not bit for bit.")
-  flags.DEFINE_boolean("stage_inputs", False, "Read each tower's next batch "
-                       "ahead, in a background queue runner, and stage it on "
-                       "the tower's device, so a step's input copies run "
-                       "while the steps before it compute.")
+def _check_cluster_flags(values: Mapping[str, object]) -> bool:
+  if values["ps_hosts"] or values["worker_hosts"]:
+    try:
+      check_cluster_flags(**values)
+    except FlagError as e:
+      raise flags.ValidationError(str(e)) from None
+  return True
+
+
+def _check_dir_flag(path: Optional[str], kind: str) -> bool:
+  problem = dir_problem(path, kind)
+  if problem is not None:
+    raise flags.ValidationError(problem)
+  return True
+
+
+def flag_values(function: Callable) -> dict:
+  """The parsed flags named like `function`'s parameters, by name."""
+  return {name: flags.FLAGS[name].value
+          for name in inspect.signature(function).parameters
+          if name in flags.FLAGS}
 
 
 def xla_scope(xla: bool):
@@ -355,6 +348,17 @@ def log_variables(t: towers.Towers, variable_device: str,
         t.devices[0])
 
 
+def log_towers(t: towers.Towers, *, variable_device, all_reduce: str,
+               pack_bytes: int, precision: str, xla: bool, stage_inputs: bool,
+               precision_flag: Optional[str] = None) -> None:
+  """Logs the towers' variables (`variable_device` a mode name), packing and
+  fast paths."""
+  if isinstance(variable_device, str):
+    log_variables(t, variable_device, all_reduce)
+  log_packing(t, pack_bytes)
+  log_fast_paths(t, precision, xla, stage_inputs, precision_flag)
+
+
 def log_packing(t: towers.Towers, pack_bytes: int) -> None:
   """Logs --pack_bytes and how many of the step's gradients it may pack.
 
@@ -379,68 +383,6 @@ def log_packing(t: towers.Towers, pack_bytes: int) -> None:
       "reduced alike (one dtype, the same devices) share a pack, one "
       "transfer per tower instead of one per gradient (0 turns packing off)",
       pack_bytes, len(small), len(grads), pack_bytes)
-
-
-def register_flag_checks(bounds: Mapping[str, Bounds],
-                         directories: Optional[Mapping[str, str]] = None
-                        ) -> None:
-  """Has absl check the script's flags when it parses them.
-
-  A flag out of its `bounds`, a directory flag `dir_problem` refuses (each
-  of `directories` maps a flag to its kind, `WRITTEN` or `READ`), a
-  --variable_device and --all_reduce combination `check_variable_flags`
-  refuses, or a --precision a cluster cannot take (`check_precision`), then
-  stops the script before anything is built, with one line naming the flag
-  (``flag --batch_size=0: must be >= 1``). Only flags that are defined are
-  checked: `bounds` may also hold `train` arguments that are not flags.
-  """
-  for name, b in bounds.items():
-    if name in flags.FLAGS:
-      flags.register_validator(
-          name, lambda v, b=b: v is None or _in_bounds(v, b),
-          message="must be %s" % _describe(b))
-  for name, kind in (directories or {}).items():
-    flags.register_validator(name, functools.partial(_check_dir_flag,
-                                                     kind=kind))
-  # One check per group, so that absl's line names only the flags at fault
-  # (with the host lists where the script has them: they decide the rules).
-  hosts = ("ps_hosts", "worker_hosts")
-  if not all(n in flags.FLAGS for n in hosts):
-    hosts = ()
-  for names, check in (
-      (("variable_device", "all_reduce") + hosts, _check_variable_flags),
-      (("precision",) + hosts, _check_precision)):
-    if all(n in flags.FLAGS for n in names):
-      flags.register_multi_flags_validator(names, check)
-
-
-def _check_dir_flag(path: Optional[str], kind: str) -> bool:
-  problem = dir_problem(path, kind)
-  if problem is not None:
-    raise flags.ValidationError(problem)
-  return True
-
-
-def _check_variable_flags(values: Mapping[str, object]) -> bool:
-  try:
-    check_variable_flags(
-        values["variable_device"], values.get("all_reduce", "auto"),
-        bool(values.get("ps_hosts") or values.get("worker_hosts")),
-        bool(values.get("worker_hosts") and not values.get("ps_hosts")))
-  except FlagError as e:
-    raise flags.ValidationError(str(e)) from None
-  return True
-
-
-def _check_precision(values: Mapping[str, object]) -> bool:
-  try:
-    check_precision(values["precision"],
-                    bool(values.get("ps_hosts") or values.get("worker_hosts")),
-                    bool(values.get("worker_hosts")
-                         and not values.get("ps_hosts")))
-  except FlagError as e:
-    raise flags.ValidationError(str(e)) from None
-  return True
 
 
 def tower_setup(num_gpus: int, log_device_placement: bool = False
@@ -517,329 +459,6 @@ def log_batch(num_towers: int, batch_size: int, max_steps: int,
                max_steps * per_step / examples_per_epoch, examples_per_epoch)
 
 
-def training_summaries(t: towers.Towers, learning_rate: tf.Tensor,
-                       accumulate_steps: int = 1) -> tf.Tensor:
-  """Merges the final tower's summaries, the learning rate and histograms.
-
-  Histograms are of each variable and of its averaged gradient (what
-  `towers.minimize` applied), tagged with the variable's name. With a loss
-  scale (`towers.Towers.loss_scale`) there is a ``loss_scale`` scalar too,
-  and a gradient's histogram holds its finite values only: a step whose
-  gradients overflow is skipped, not an error, and a histogram of an
-  infinity would fail the step. With `accumulate_steps` > 1 the averaged
-  gradients exist only in a run that applies them: their histograms are
-  written by those runs (``towers.Towers.applies``). Run by the session's
-  summary hook in the same `sess.run` as the training step, so no extra
-  input batch is consumed.
-  """
-  # Explicit tags: tf.summary.* derive the tag from a uniquified op name, so
-  # a tag equal to an existing op's name ("conv1/weights") would become
-  # "conv1/weights_1".
-  with tf.name_scope("training_summaries"):
-    summaries = list(t.summaries)
-    summaries.append(_scalar("learning_rate", learning_rate))
-    summaries.append(_scalar("loss", t.loss))
-    if t.loss_scale is not None:
-      summaries.append(_scalar("loss_scale", t.loss_scale))
-    gradients = []
-    for grad, var in t.grads_and_vars or []:
-      summaries.append(_histogram(var.op.name, var))
-      if grad is not None:
-        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-        if t.loss_scale is not None:
-          values = tf.boolean_mask(values, tf.is_finite(values))
-        gradients.append((var.op.name + "/gradients", values))
-
-    def gradient_histograms() -> List[tf.Tensor]:
-      return [_histogram(tag, values) for tag, values in gradients]
-
-    if accumulate_steps == 1 or not gradients:
-      summaries.extend(gradient_histograms())
-    else:
-      # An empty Summary where the run does not apply.
-      summaries.append(tf.cond(
-          t.applies, lambda: tf.summary.merge(gradient_histograms()),
-          lambda: tf.constant(b"")))
-    return tf.summary.merge(summaries)
-
-
-def _scalar(tag: str, value: tf.Tensor) -> tf.Tensor:
-  return tf.raw_ops.ScalarSummary(tags=tag, values=value)
-
-
-def _histogram(tag: str, values) -> tf.Tensor:
-  return tf.raw_ops.HistogramSummary(tag=tag, values=values)
-
-
-class StepLogger(tf.train.SessionRunHook):
-  """Logs the original's line every `every` steps and stops on a NaN loss.
-
-  ``step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)``, where
-  examples/sec counts the global batch and sec/batch is the step time
-  divided by the number of towers, as in the tutorial. With a `loss_scale`
-  the line ends with ``, loss scale = %g``, the scale the step used. With
-  `applies` (``towers.Towers.applies``, for accumulated micro-batches) a
-  step is a run that applies an update, and the loss logged is that run's
-  micro-batch's.
-  """
-
-  def __init__(self, loss: tf.Tensor, global_step: tf.Tensor,
-               examples_per_step: int, num_towers: int, every: int = 10,
-               count_locally: bool = True,
-               loss_scale: Optional[tf.Tensor] = None,
-               applies: Optional[tf.Tensor] = None):
-    self._applies = applies
-    self._loss = loss
-    self._loss_scale = loss_scale
-    self._global_step = global_step
-    self._examples_per_step = examples_per_step
-    self._num_towers = num_towers
-    self._every = every
-    self._count_locally = count_locally
-    self._step = 0
-    self._runs = 0
-    self._start = None
-
-  @property
-  def step(self) -> int:
-    """The global step after the last step this hook saw."""
-    return self._step
-
-  def after_create_session(self, session, coord):
-    # The step the run resumes from (see after_run for how it goes on).
-    self._step = int(session.run(self._global_step))
-    self._start = time.time()
-
-  def before_run(self, run_context):
-    fetches = {"loss": self._loss, "global_step": self._global_step}
-    if self._applies is not None:
-      fetches["applies"] = self._applies
-    if self._loss_scale is not None:
-      fetches["loss_scale"] = self._loss_scale
-    return tf.train.SessionRunArgs(fetches)
-
-  def after_run(self, run_context, run_values):
-    loss, global_step = (run_values.results[k]
-                         for k in ("loss", "global_step"))
-    applied = run_values.results.get("applies", True)
-    loss_scale = run_values.results.get("loss_scale")
-    loss = float(loss)
-    if math.isnan(loss):
-      raise FloatingPointError(
-          "loss is NaN at step %d: training stopped, nothing saved from this "
-          "step (lower the learning rate, or check the input); the last "
-          "checkpoint is kept" % (self._step + 1))
-    if not applied:
-      return
-    # Alone, a process counts its own steps (the global step it fetched may
-    # be read before or after this step's increment). In a cluster other
-    # workers advance the global step too, so that is the count to show.
-    self._runs += 1
-    self._step = self._step + 1 if self._count_locally else int(global_step)
-    if self._runs % self._every == 0:
-      duration = (time.time() - self._start) / self._every
-      self._start = time.time()
-      logging.info("step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)%s",
-                   self._step, loss, self._examples_per_step / duration,
-                   duration / self._num_towers,
-                   "" if loss_scale is None else
-                   ", loss scale = %g" % loss_scale)
-
-
-class Interrupted(Exception):
-  """Training stopped on SIGTERM or SIGINT, after the chief saved a checkpoint.
-
-  Attributes:
-    signum: the signal's number; a script exits with ``128 + signum``.
-    step: the global step reached (and saved, by the chief).
-  """
-
-  def __init__(self, signum: int, step: int):
-    super().__init__("%s at step %d" % (signal.Signals(signum).name, step))
-    self.signum = signum
-    self.step = step
-
-
-class StopOnSignals:
-  """Turns the first SIGTERM or SIGINT into a request to stop; a context.
-
-  Within the context the first of these signals only sets `received`: the
-  training loop checks it after each step, so the session ends cleanly and
-  the final checkpoint is saved. A second signal kills the process at once
-  (the signal's default action). Handlers can only be installed in the main
-  thread: elsewhere this does nothing. The previous handlers are restored on
-  exit.
-  """
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.received = None  # The first signal's number.
-    self._previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for signum in self.SIGNALS:
-        self._previous[signum] = signal.signal(signum, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    for signum, handler in self._previous.items():
-      # None: a handler not set from Python, which cannot be put back.
-      signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-    self._previous.clear()
-
-  def _handle(self, signum, frame):
-    del frame
-    # No logging here: the handler may interrupt a thread holding logging's
-    # lock. The training loop logs once it has stopped.
-    if self.received is None:
-      self.received = signum
-      return
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def run_training(train_op: tf.Operation, loss: tf.Tensor,
-                 global_step: tf.Tensor, summary_op: Optional[tf.Tensor], *,
-                 train_dir: str, max_steps: int, examples_per_step: int,
-                 num_towers: int, config: tf.ConfigProto,
-                 log_every: int = 10, save_checkpoint_secs: int = 60,
-                 save_checkpoint_steps: Optional[int] = None,
-                 save_summaries_steps: int = 100, master: str = "",
-                 is_chief: bool = True, stop_grace_period_secs: float = 120,
-                 loss_scale: Optional[tf.Tensor] = None,
-                 applies: Optional[tf.Tensor] = None,
-                 hooks: Iterable[tf.train.SessionRunHook] = (),
-                 chief_only_hooks: Iterable[tf.train.SessionRunHook] = (),
-                 local_init_op: Optional[tf.Operation] = None,
-                 recover: bool = True, watchdog=None,
-                 save_when_stuck: bool = False) -> int:
-  """Trains until the global step reaches `max_steps`; returns that step.
-
-  Resumes from the latest checkpoint in `train_dir` (the global step goes
-  on), saves one every `save_checkpoint_secs` and at the end, and writes
-  `summary_op` every `save_summaries_steps`. `save_checkpoint_steps`, when
-  given, replaces the time-based schedule. The ``checkpoint`` state file
-  names checkpoints relative to `train_dir`, so a copied directory resumes
-  from its own. Nothing is ever deleted but the checkpoints the Saver
-  rotates out (it keeps the latest 5). `loss_scale`, when given (the
-  towers' `loss_scale`), is logged with each step line; `applies`, when
-  given (the towers' `applies`, with accumulated micro-batches), makes the
-  logger count and time applied updates.
-
-  SIGTERM or SIGINT (in the main thread) ends training after the current
-  step: the chief saves a checkpoint, one line is logged, and `Interrupted`
-  is raised. A second signal kills at once. Call `traindir.prepare` first.
-
-  In a cluster: `local_init_op` replaces the scaffold's default (collective
-  mode's broadcast from the chief). With `recover` (parameter servers) the
-  session is recreated after a task it needs was lost
-  (``MonitoredTrainingSession``); without it (collective mode: the
-  collectives of a lost peer cannot be replayed) the error is raised, and
-  every worker creates its session as a chief would, only `is_chief`
-  restoring, saving and writing summaries. `watchdog` (a
-  `watchdog.Watchdog`) watches session creation and every step, and after a
-  signal gives up a step that does not end (with `save_when_stuck`, the
-  chief saving from beside it first).
-
-  Raises:
-    Interrupted: after a SIGTERM or SIGINT.
-    FloatingPointError: if the loss becomes NaN.
-  """
-  saver = tf.train.Saver(save_relative_paths=True, sharded=True,
-                         allow_empty=True)
-  scaffold = tf.train.Scaffold(summary_op=summary_op, saver=saver,
-                               local_init_op=local_init_op)
-  logger = StepLogger(loss, global_step, examples_per_step, num_towers,
-                      log_every, count_locally=not master or not recover,
-                      loss_scale=loss_scale, applies=applies)
-  all_hooks = [tf.train.StopAtStepHook(last_step=max_steps), logger]
-  all_hooks += list(hooks) + ([watchdog] if watchdog is not None else [])
-  with StopOnSignals() as signals:
-    if watchdog is not None:
-      def save():
-        return saver.save(watchdog.session,
-                          os.path.join(train_dir, traindir.CHECKPOINT_BASENAME),
-                          global_step=global_step, write_meta_graph=False)
-
-      watchdog.start(lambda: signals.received,
-                     save=save if is_chief and save_when_stuck else None)
-    try:
-      with _training_session(
-          recover, master=master, is_chief=is_chief, train_dir=train_dir,
-          scaffold=scaffold, hooks=all_hooks,
-          chief_only_hooks=list(chief_only_hooks), config=config,
-          save_checkpoint_secs=None if save_checkpoint_steps else
-          save_checkpoint_secs,
-          save_checkpoint_steps=save_checkpoint_steps,
-          save_summaries_steps=save_summaries_steps if summary_op is not None
-          else None,
-          stop_grace_period_secs=stop_grace_period_secs) as sess:
-        while not sess.should_stop() and signals.received is None:
-          sess.run(train_op)
-        if watchdog is not None:
-          watchdog.closing()
-    finally:
-      if watchdog is not None:
-        watchdog.stop()
-    # The session has closed: the chief's final checkpoint is saved. Its
-    # hooks' event writer is cached for the process and flushed only every
-    # 2 minutes: flush it, so the directory is complete on return.
-    if is_chief:
-      tf.summary.FileWriterCache.get(train_dir).flush()
-  if signals.received is not None and logger.step < max_steps:
-    step = logger.step
-    if is_chief:
-      # The step saved: in a cluster the logger's count may lag it by one.
-      saved = tf.train.latest_checkpoint(train_dir)
-      step = int(saved.rsplit("-", 1)[1]) if saved else step
-    logging.info("Received %s at step %d: %s, stopping",
-                 signal.Signals(signals.received).name, step,
-                 "saved a checkpoint" if is_chief else
-                 "the chief saves the checkpoints")
-    raise Interrupted(signals.received, step)
-  return logger.step
-
-
-def _training_session(recover: bool, *, master: str, is_chief: bool,
-                      train_dir: str, scaffold: tf.train.Scaffold, hooks,
-                      chief_only_hooks, config: tf.ConfigProto,
-                      save_checkpoint_secs: Optional[int],
-                      save_checkpoint_steps: Optional[int],
-                      save_summaries_steps: Optional[int],
-                      stop_grace_period_secs: float):
-  """A ``MonitoredTrainingSession``, or, without `recover`, its equal.
-
-  Without `recover`: a ``SingularMonitoredSession`` (which raises what a
-  step raises instead of recreating the session) created as a chief's, with
-  the hooks ``MonitoredTrainingSession`` gives a chief, when `is_chief`:
-  the checkpoint saver and the summary writer.
-  """
-  if recover:
-    return tf.train.MonitoredTrainingSession(
-        master=master, is_chief=is_chief, checkpoint_dir=train_dir,
-        scaffold=scaffold, hooks=hooks, chief_only_hooks=chief_only_hooks,
-        config=config, save_checkpoint_secs=save_checkpoint_secs,
-        save_checkpoint_steps=save_checkpoint_steps,
-        save_summaries_steps=save_summaries_steps, log_step_count_steps=0,
-        stop_grace_period_secs=stop_grace_period_secs)
-  hooks = list(hooks)
-  if is_chief:
-    hooks += chief_only_hooks
-    if save_summaries_steps:
-      hooks.append(tf.train.SummarySaverHook(
-          save_steps=save_summaries_steps, output_dir=train_dir,
-          scaffold=scaffold))
-    hooks.append(tf.train.CheckpointSaverHook(
-        train_dir, save_secs=save_checkpoint_secs,
-        save_steps=save_checkpoint_steps, scaffold=scaffold))
-  return tf.train.SingularMonitoredSession(
-      hooks=hooks, scaffold=scaffold, master=master, config=config,
-      checkpoint_dir=train_dir if is_chief else None,
-      stop_grace_period_secs=stop_grace_period_secs)
-
-
 def evaluate_checkpoints(evaluate_once: Callable[[str], float],
                          checkpoint_dir: str, eval_interval_secs: float,
                          run_once: bool) -> Optional[float]:
@@ -883,7 +502,7 @@ def run_main(argv: Sequence[str], call: Callable[[], object],
   log_tensorflow_through_absl()
   try:
     call()
-  except Interrupted as e:
+  except training.Interrupted as e:
     return 128 + e.signum
   except expected as e:
     logging.error("%s", e)

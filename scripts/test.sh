@@ -187,9 +187,10 @@ PY
 }
 
 # Tests that do not depend on the kind of variables run once per environment,
-# under resource variables.
+# under resource variables (the training runner's among them).
 once_only=(--ignore=tests/test_tensorboard.py
-           --ignore=tests/test_commands.py)
+           --ignore=tests/test_commands.py
+           --ignore=tests/training)
 
 for env in "${envs[@]}"; do
   case "$env" in

@@ -16,6 +16,7 @@ imported; the scripts the tests start inherit it.
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -89,3 +90,11 @@ def legacy_keras_run(pytestconfig):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
   return run
+
+
+@pytest.fixture
+def absl_logs(caplog):
+  """The messages absl.logging emitted at INFO and above, so far."""
+  caplog.set_level(logging.INFO, logger="absl")
+  return lambda: [r.getMessage() for r in caplog.records
+                  if r.name == "absl"]

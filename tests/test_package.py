@@ -1,5 +1,6 @@
 """The public surface, import hygiene and the device helpers."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -17,9 +18,25 @@ def test_public_surface_is_pinned():
       "average_gradients", "batch_normalization", "broadcast_variables",
       "build_towers", "infer", "minimize", "tower_context", "tower_devices",
       "virtual_cpu_config"]
-  public = {name for name in vars(towers) if not name.startswith("_")}
+  # towers.training is a subpackage: an attribute once anything imports it.
+  public = {name for name, value in vars(towers).items()
+            if not name.startswith("_") and not inspect.ismodule(value)}
   assert public == set(towers.__all__)
   assert isinstance(towers.__version__, str)
+
+
+def test_training_surface_is_pinned():
+  from towers import training  # pylint: disable=g-import-not-at-top
+  assert sorted(training.__all__) == [
+      "COLLECTIVE_LEADER", "ClusterError", "Interrupted", "LocalCluster",
+      "PEER_ERRORS", "PeerLost", "StepLoggerHook", "StopOnSignalHook",
+      "Task", "TrainDir", "TrainDirError", "VariablesDigestHook",
+      "Watchdog", "describe_exit", "device_setter", "exit_status",
+      "free_ports", "run_local_cluster", "start_task", "sync_replicas_hook",
+      "train", "training_summaries", "wait_for_model", "watchdog_for_task"]
+  public = {name for name, value in vars(training).items()
+            if not name.startswith("_") and not inspect.ismodule(value)}
+  assert public == set(training.__all__)
 
 
 def test_towers_fields():
@@ -29,7 +46,7 @@ def test_towers_fields():
       "loss_scale", "batch_size", "applies")
 
 
-def test_import_has_no_side_effects():
+def test_import_has_no_side_effects_and_leaves_out_the_runner():
   probe = textwrap.dedent("""
       import logging
       import tensorflow as tf
@@ -41,8 +58,12 @@ def test_import_has_no_side_effects():
                 sorted(flags.FLAGS), list(logging.getLogger().handlers),
                 logging.getLogger().level, tf.get_logger().level,
                 tf.compat.v1.get_default_graph().get_operations())
+      import sys
       before = state()
       import towers
+      assert state() == before, (state(), before)
+      assert not [m for m in sys.modules if m.startswith("towers.training")]
+      import towers.training
       assert state() == before, (state(), before)
       print("clean")
       """)

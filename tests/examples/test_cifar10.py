@@ -12,10 +12,8 @@ import logging as py_logging
 import os
 import re
 import shutil
-import signal
 import tarfile
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -28,7 +26,6 @@ import cifar10_multi_gpu_train
 import common
 from test_mnist import MinimizeCalled, autotune_off, spy_on_minimize
 import towers
-import traindir
 
 NUM_TOWERS = 2
 BATCH = 8
@@ -478,35 +475,10 @@ def _train(data_dir, train_dir, max_steps, **kwargs):
       batch_size=BATCH, max_steps=max_steps,
       initial_learning_rate=LEARNING_RATE, urls=[OFFLINE_URL], **kwargs)
 
-
-def test_a_finished_job_trains_no_step_and_paths_are_relative(
-    trained, data_dir, tmp_path):
-  train_dir = str(tmp_path / "train")
-  shutil.copytree(trained[0], train_dir)
-  with open(os.path.join(train_dir, "checkpoint")) as f:
-    assert 'model_checkpoint_path: "model.ckpt-%d"' % TRAIN_STEPS in f.read()
-  before = sorted(os.listdir(train_dir))
-  with _Messages() as log:
-    assert _train(data_dir, train_dir, TRAIN_STEPS) == TRAIN_STEPS
-  assert any(m.startswith("Nothing to train") for m in log.messages)
-  assert sorted(os.listdir(train_dir)) == before
-
-
-def test_a_second_trainer_on_the_same_train_dir_is_refused(trained, data_dir,
-                                                           tmp_path):
-  train_dir = str(tmp_path / "train")
-  shutil.copytree(trained[0], train_dir)
-  with traindir.prepare(train_dir).lock:
-    with pytest.raises(traindir.TrainDirError, match="pid %d" % os.getpid()):
-      _train(data_dir, train_dir, TRAIN_STEPS + 1)
-
-
 @pytest.mark.parametrize("args,words", [
     (dict(batch_size=-4), "--batch_size=-4 must be >= 1"),
     (dict(num_gpus=0), "--num_gpus=0 must be >= 1"),
     (dict(save_checkpoint_steps=0), "--save_checkpoint_steps=0 must be"),
-    (dict(all_reduce="ring"), "--all_reduce=ring applies to "
-     "--variable_device=replicated only"),
     (dict(pack_bytes=-1), "--pack_bytes=-1 must be >= 0"),
 ])
 def test_train_refuses_bad_arguments_naming_the_flag(tmp_path, args, words):
@@ -528,36 +500,6 @@ def test_train_passes_pack_bytes_to_towers_minimize(tmp_path, monkeypatch,
         data_dir=str(tmp_path / "data"), train_dir=str(tmp_path / "train"),
         num_gpus=NUM_TOWERS, fake_data=True, max_steps=1, **args)
   assert seen == [want]
-
-
-def test_sigterm_saves_a_checkpoint_and_stops(data_dir, tmp_path):
-  train_dir = str(tmp_path / "train")
-  done = threading.Event()
-  with _Messages() as log:
-
-    def send():
-      deadline = time.time() + 120
-      while not any(m.startswith("step 2,") for m in log.messages):
-        if done.is_set() or time.time() > deadline:
-          return
-        time.sleep(0.05)
-      if not done.is_set():
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    try:
-      with pytest.raises(common.Interrupted) as stopped:
-        _train(data_dir, train_dir, 100000, log_frequency=1)
-    finally:
-      done.set()
-      thread.join()
-  assert stopped.value.signum == signal.SIGTERM
-  assert tf.train.load_variable(train_dir, "global_step") == (
-      stopped.value.step)
-  assert ("Received SIGTERM at step %d: saved a checkpoint, stopping"
-          % stopped.value.step) in log.messages
-
 
 def test_accumulated_micro_batches_move_the_averages_once_per_update(
     data_dir, tmp_path):

@@ -16,11 +16,9 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-import cluster as cluster_lib
-import launch_local_cluster
 import mnist_eval
-import watchdog
 from test_mnist import synthetic, write_split
+from towers import training
 
 EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
                                         "examples"))
@@ -91,7 +89,7 @@ def _wait(predicate, timeout, what, task=None, log=None):
 def test_two_workers_of_two_towers_train_synchronously(data_dir, tmp_path):
   train_dir = str(tmp_path / "train")
   log = Log()
-  with launch_local_cluster.Cluster(
+  with training.LocalCluster(
       TRAIN, 1, 2, _train_args(data_dir, train_dir, 60), out=log) as c:
     # The chief last, so the test does not depend on who starts faster: a
     # worker joins within a second of the chief's initialization, where it
@@ -126,7 +124,7 @@ def test_a_killed_backup_worker_does_not_stop_training(data_dir, tmp_path):
   train_dir = str(tmp_path / "train")
   log = Log()
   args = _train_args(data_dir, train_dir, 80, "--replicas_to_aggregate=2")
-  with launch_local_cluster.Cluster(TRAIN, 1, 3, args, out=log) as c:
+  with training.LocalCluster(TRAIN, 1, 3, args, out=log) as c:
     c.start_all()
     _wait(lambda: log.steps("worker2"), 240, "worker2's first step",
           c.tasks["worker2"], log)
@@ -149,7 +147,7 @@ def test_sigterm_to_the_cluster_has_the_chief_save_before_the_ps_stop(
                      "--save_checkpoint_secs=3600", "--precision=bfloat16",
                      "--stage_inputs")
   args.remove("--save_checkpoint_steps=20")
-  with launch_local_cluster.Cluster(TRAIN, 1, 1, args, out=log) as c:
+  with training.LocalCluster(TRAIN, 1, 1, args, out=log) as c:
     c.start_all()
     _wait(lambda: log.steps("worker0"), 240, "the chief's first step",
           c.tasks["worker0"], log)
@@ -250,44 +248,6 @@ def test_the_launcher_passes_a_signal_to_the_workers_then_stops_the_ps(
       stubborn["signal%d" % signal.SIGINT] + 1.9)
 
 
-# A stand-in task that records its pid, then exits 0 once the file "finish"
-# is in its --log_dir.
-FINISHING_TASK = r"""
-import os, sys, time
-args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
-name = args["job_name"] + args["task_index"]
-with open(os.path.join(args["log_dir"], name), "a") as f:
-  f.write("pid %d\n" % os.getpid())
-while not os.path.exists(os.path.join(args["log_dir"], "finish")):
-  time.sleep(0.1)
-"""
-
-
-def test_a_worker_killed_by_sigkill_gives_137_and_one_line_naming_it(
-    tmp_path):
-  log_dir = tmp_path / "log"
-  launcher = _launch_stand_ins(tmp_path, FINISHING_TASK)
-  try:
-    _wait(lambda: all("pid" in _events(str(log_dir), n)
-                      for n in ("ps0", "worker0", "worker1")), 60,
-          "the tasks to start", launcher)
-    worker1 = int(_events(str(log_dir), "worker1")["pid"])
-    os.kill(worker1, signal.SIGKILL)
-    _wait(lambda: not _alive(worker1), 10, "worker1 to die")
-    (log_dir / "finish").write_text("")  # The others finish, exit 0.
-    out, _ = launcher.communicate(timeout=60)
-  finally:
-    if launcher.poll() is None:
-      launcher.kill()
-      launcher.wait()
-  assert launcher.returncode == 128 + signal.SIGKILL, out
-  lines = [line for line in out.splitlines() if "was killed" in line]
-  assert len(lines) == 1, out
-  assert lines[0].endswith("worker 1 was killed by SIGKILL (exit status 137)")
-  assert "worker 0" not in out and "ps 0" not in out  # They exited 0.
-  assert "Traceback" not in out
-
-
 def _run_task(args, timeout=120):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   return subprocess.run([sys.executable, TRAIN] + args, capture_output=True,
@@ -303,7 +263,7 @@ def test_a_wrong_task_index_is_a_clear_error(tmp_path):
 
 
 def test_an_unreachable_parameter_server_is_a_clear_error(tmp_path):
-  ps, worker = launch_local_cluster.free_ports(2)
+  ps, worker = training.free_ports(2)
   started = time.time()
   done = _run_task(["--ps_hosts=127.0.0.1:%d" % ps,
                     "--worker_hosts=127.0.0.1:%d" % worker,
@@ -317,14 +277,14 @@ def test_an_unreachable_parameter_server_is_a_clear_error(tmp_path):
 def test_host_lists_that_differ_from_the_chiefs_are_a_clear_error(
     data_dir, tmp_path):
   log = Log()
-  with launch_local_cluster.Cluster(
+  with training.LocalCluster(
       TRAIN, 1, 2, _train_args(data_dir, str(tmp_path / "train"), 1000),
       out=log) as c:
     c.start("ps", 0)
     c.start("worker", 0)
     # Task 1 believes in a third worker the chief does not know.
     hosts = c.worker_hosts + ["127.0.0.1:%d"
-                              % launch_local_cluster.free_ports(1)[0]]
+                              % training.free_ports(1)[0]]
     args = [("--worker_hosts=" + ",".join(hosts))
             if a.startswith("--worker_hosts=") else a
             for a in c.command("worker", 1)]
@@ -333,38 +293,6 @@ def test_host_lists_that_differ_from_the_chiefs_are_a_clear_error(
                           env=env, check=False)
   assert done.returncode != 0
   assert "differs from the chief's" in done.stderr, done.stderr[-3000:]
-
-
-def test_the_cluster_flags_are_checked():
-  with pytest.raises(ValueError, match="--worker_hosts is empty"):
-    cluster_lib.make_cluster(["a:1"], [], "ps", 0)
-  with pytest.raises(ValueError, match="--job_name=ps but --ps_hosts is "
-                     "empty"):
-    cluster_lib.make_cluster([], ["a:1"], "ps", 0)
-  # No parameter servers: a collective cluster.
-  assert cluster_lib.make_cluster([], ["a:1"], "worker", 0).jobs == [
-      "worker"]
-  with pytest.raises(ValueError, match="not host:port"):
-    cluster_lib.make_cluster(["a"], ["b:1"], "worker", 0)
-  with pytest.raises(ValueError, match="listed more than once"):
-    cluster_lib.make_cluster(["a:1"], ["a:1"], "worker", 0)
-  with pytest.raises(ValueError, match="expected 'ps' or 'worker'"):
-    cluster_lib.make_cluster(["a:1"], ["b:1"], "chief", 0)
-  with pytest.raises(ValueError, match="--task_index=1 but --ps_hosts"):
-    cluster_lib.make_cluster(["a:1"], ["b:1"], "ps", 1)
-
-
-def test_a_worker_waiting_for_a_missing_chief_is_a_clear_error():
-  server = tf.train.Server.create_local_server()
-  with tf.Graph().as_default():
-    tf.get_variable("w", [2])
-    started = time.time()
-    with pytest.raises(TimeoutError, match="has not initialized the model "
-                       "after 1s"):
-      cluster_lib.wait_for_model(server.target, tf.ConfigProto(),
-                                 timeout_secs=1)
-  assert time.time() - started < 30
-
 
 # Failures. Each test bounds every wait; the cluster's context
 # stops every task, also when the test fails, and on Linux a task dies with
@@ -415,7 +343,7 @@ def test_collective_workers_stop_together_on_any_loss_and_resume(
                      "--step_timeout_secs=30", "--stall_log_secs=3")
   args.remove("--save_checkpoint_steps=20")
   stopped = "Collective mode has no backup workers: every worker stops"
-  with launch_local_cluster.Cluster(TRAIN, 0, 2, args, out=log) as c:
+  with training.LocalCluster(TRAIN, 0, 2, args, out=log) as c:
     resumed = 0
     # (A SIGKILLed chief takes the survivor down the same path as a
     # SIGKILLed non-chief: the all-reduce fails when the peer's socket
@@ -473,7 +401,7 @@ def test_parameter_server_mode_workers_killed_and_restarted_rejoin(
   args = _train_args(data_dir, train_dir, 80, "--save_checkpoint_steps=10",
                      "--step_timeout_secs=120", "--stall_log_secs=3")
   args.remove("--save_checkpoint_steps=20")
-  with launch_local_cluster.Cluster(TRAIN, 1, 2, args, out=log) as c:
+  with training.LocalCluster(TRAIN, 1, 2, args, out=log) as c:
     c.start_all()
     _wait_for_step(log, "worker1", 10, 180)
     os.killpg(c.tasks["worker1"].pid, signal.SIGKILL)
@@ -507,7 +435,7 @@ def test_a_lost_parameter_server_is_recovered_or_stops_the_workers(
                      "--save_checkpoint_steps=10", "--step_timeout_secs=15",
                      "--stall_log_secs=3")
   args.remove("--save_checkpoint_steps=20")
-  with launch_local_cluster.Cluster(TRAIN, 1, 2, args, out=log) as c:
+  with training.LocalCluster(TRAIN, 1, 2, args, out=log) as c:
     c.start_all()
     _wait_for_step(log, "worker0", 12, 180)
     os.killpg(c.tasks["ps0"].pid, signal.SIGKILL)
@@ -532,56 +460,3 @@ def test_a_lost_parameter_server_is_recovered_or_stops_the_workers(
   for worker in ("worker0", "worker1"):
     stop = _lines(log, worker, "Stopping: Restart the lost task")
     assert stop and "ps0 (%s)" % c.ps_hosts[0] in stop[0], log.text()[-4000:]
-
-
-def test_the_launchers_tasks_die_with_it_even_by_sigkill(tmp_path):
-  log_dir = tmp_path / "log"
-  launcher = _launch_stand_ins(tmp_path, FAKE_TASK, output=False)
-  names = ("ps0", "worker0", "worker1")
-  pids = []
-  try:
-    _wait(lambda: all("pid" in _events(str(log_dir), n) for n in names), 60,
-          "the tasks to start")
-    pids[:] = [int(_events(str(log_dir), n)["pid"]) for n in names]
-    launcher.kill()
-    launcher.wait(timeout=10)
-    _wait(lambda: not any(_alive(p) for p in pids), 10,
-          "the tasks to die with the launcher")
-  finally:
-    if launcher.poll() is None:
-      launcher.kill()
-      launcher.wait()
-    for pid in pids:
-      if _alive(pid):
-        os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid):
-  """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
-  try:
-    with open("/proc/%d/stat" % pid) as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
-
-
-def test_a_peers_error_is_explained_and_the_workers_own_is_not():
-  """Only a peer's errors become the watchdog's message; others stay theirs.
-
-  A kernel's InvalidArgumentError in a cluster step was once reported as
-  "InvalidArgumentError (no detail): it waited for the parameter servers",
-  blaming peers that were fine (docs/pitfalls.md, P36).
-  """
-  dog = watchdog.Watchdog(None, "the parameter servers (127.0.0.1:1)", [],
-                          advice=lambda: "Restart it.")
-  lost = tf.errors.UnavailableError(None, None, "Socket closed")
-  assert isinstance(lost, watchdog.PEER_ERRORS)
-  assert "UnavailableError (Socket closed): it waited for the parameter " \
-      "servers (127.0.0.1:1)" in dog.explain(lost)
-  own = tf.errors.InvalidArgumentError(
-      None, None, "Graph execution error:\n\nDetected at node 'x' defined at "
-      "(most recent call last):\n  File \"a.py\", line 1, in <module>\n\n"
-      "Value for attr 'T' of bfloat16 is not in the list of allowed values")
-  assert not isinstance(own, watchdog.PEER_ERRORS)
-  assert "(Value for attr 'T' of bfloat16 is not in the list" in \
-      dog.explain(own)

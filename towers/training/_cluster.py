@@ -1,29 +1,12 @@
-"""Between-graph replication on TensorFlow's distributed runtime: the checks.
+"""A task of a TensorFlow cluster: checked flags, a server, a session config.
 
-Two kinds of cluster: with parameter servers (``--ps_hosts``), which hold
-the variables that a ``SyncReplicasOptimizer`` updates; and without
-(collective mode), where every worker holds a copy of the variables and
-all-reduces its gradients with every other worker's.
-
-The classic TF1 cluster flags (``--ps_hosts``, ``--worker_hosts``,
-``--job_name``, ``--task_index``) are easy to get wrong, and a wrong one
-usually shows as a hang: a task waiting forever for a host that is not there,
-or for a chief whose graph expects another cluster. These helpers turn each
-of those into a clear error:
-
-- `make_cluster` checks the flags themselves;
-- `wait_for_hosts` gives the parameter servers (in collective mode, the
-  other workers) a deadline to accept a connection;
-- `check_same_cluster` has the chief write its cluster on parameter server
-  task 0 (in collective mode, on itself) and every other worker compare its
-  own against it;
-- `wait_for_model` lets a worker join within a second of the chief's
-  initialization, where ``tf.train.MonitoredTrainingSession`` polls every 30
-  seconds;
-- `sync_replicas_hook` ends the chief's run without the token queue
-  runner's ``CancelledError`` traceback.
-
-Example code, not part of the `towers` library.
+Two kinds of cluster: with parameter servers (``ps_hosts``), which hold the
+variables a ``SyncReplicasOptimizer`` updates; and without (collective
+mode), where every worker holds a copy of the variables and all-reduces its
+gradients with every other worker's. The classic TF1 cluster flags
+(``--ps_hosts``, ``--worker_hosts``, ``--job_name``, ``--task_index``) are
+easy to get wrong, and a wrong one usually shows as a hang; here each is a
+clear error instead, and every wait has a deadline.
 """
 
 import collections
@@ -40,14 +23,13 @@ import tensorflow.compat.v1 as tf
 import towers
 
 
-
 class ClusterError(ValueError):
   """The cluster flags are wrong, or this task's disagree with the chief's."""
 
 
 Task = collections.namedtuple("Task", [
     "server", "cluster", "is_chief", "worker_device", "config",
-    "num_workers", "collective"])
+    "num_workers", "collective", "step_timeout_secs"])
 Task.__doc__ = """This process's place in the cluster (see `start_task`).
 
 Fields:
@@ -64,6 +46,7 @@ Fields:
   num_workers: the number of worker tasks.
   collective: whether the cluster has no parameter servers: the workers
     all-reduce their gradients with collective ops.
+  step_timeout_secs: the session's operation timeout, or None.
 """
 
 # Where the workers of a collective cluster meet to form their group.
@@ -289,7 +272,8 @@ def start_task(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
                      startup_timeout_secs)
   return Task(server=server, cluster=cluster, is_chief=task_index == 0,
               worker_device=worker_device, config=config,
-              num_workers=len(worker_hosts), collective=collective)
+              num_workers=len(worker_hosts), collective=collective,
+              step_timeout_secs=step_timeout_secs)
 
 
 def peers(task: Task) -> List[Tuple[str, str]]:

@@ -24,8 +24,6 @@ from the session's operation timeout, an ``UnavailableError`` from a peer
 that went away: the `PEER_ERRORS`) into the same message, raised as
 `PeerLost`. Any other error (a kernel's ``InvalidArgumentError``, say) is
 the worker's own, not a peer's: it is raised as it is.
-
-Example code, not part of the `towers` library.
 """
 
 import os
@@ -39,10 +37,11 @@ from typing import Callable, Optional, Sequence, Tuple
 from absl import logging
 import tensorflow.compat.v1 as tf
 
-import cluster
+from towers.training import _cluster
+from towers.training import _traindir
 
-# The exit code of a worker the watchdog stops: the scripts' code for an
-# expected failure (`common.run_main`).
+# The exit code of a worker the watchdog stops: a script's usual code for an
+# expected failure.
 EXIT_STALLED = 1
 
 # The errors a step gets from a peer that is gone or late (or from the
@@ -90,11 +89,11 @@ class Watchdog(tf.train.SessionRunHook):
     self._step = None  # The global step of the last step that ended.
     self._since = time.time()  # When it ended (or the watch started).
     self._phase = "creating"  # Or "step", "between" (steps) or "closing".
-    self._signalled = lambda: None
+    self._signalled: Callable[[], Optional[int]] = lambda: None
     self._grace = 10.0
-    self._save = None
+    self._save: Optional[Callable[[], str]] = None
     self._stopping = threading.Event()
-    self._thread = None
+    self._thread: Optional[threading.Thread] = None
     self.session = None  # The raw session, once created (for `save`).
 
   def start(self, signalled: Callable[[], Optional[int]] = lambda: None,
@@ -112,9 +111,10 @@ class Watchdog(tf.train.SessionRunHook):
     self._grace = grace_secs
     self._save = save
     self._since = time.time()
-    self._thread = threading.Thread(target=self._watch, daemon=True,
-                                    name="watchdog")
-    self._thread.start()
+    thread = threading.Thread(target=self._watch, daemon=True,
+                              name="watchdog")
+    thread.start()
+    self._thread = thread
 
   def closing(self) -> None:
     """Says that training has stopped and the session is closing."""
@@ -150,7 +150,7 @@ class Watchdog(tf.train.SessionRunHook):
   def _unreachable(self) -> str:
     """The peers that do not accept a connection now, in words."""
     down = ["%s (%s)" % (name, host) for name, host in self._peers
-            if not cluster.accepts_connections(host)]
+            if not _cluster.accepts_connections(host)]
     return ("; not accepting connections: " + ", ".join(down) if down
             else "; every peer accepts connections")
 
@@ -187,8 +187,8 @@ class Watchdog(tf.train.SessionRunHook):
       with self._lock:
         closing = self._phase == "closing"
       # Closing, the chief saves its final checkpoint: the timeout bounds it.
-      if (signal_seen is not None and not closing and
-          now - signal_seen > self._grace):
+      if (signum is not None and signal_seen is not None and not closing
+          and now - signal_seen > self._grace):
         self._give_up_after_signal(signum, now - signal_seen)
       if self._timeout is not None and waited > self._timeout:
         logging.error("No step for %.0fs (the timeout is %gs) in %s: it "
@@ -209,7 +209,10 @@ class Watchdog(tf.train.SessionRunHook):
     saved = ""
     if self._save is not None and self.session is not None:
       try:
-        saved = "; saved %s first" % self._save()
+        # This thread's default graph is not the session's (and under
+        # TensorFlow 2 behaviour it executes eagerly).
+        with self.session.graph.as_default():
+          saved = "; saved %s first" % self._save()
       except Exception as e:  # pylint: disable=broad-except
         saved = "; could not save a checkpoint (%s)" % (
             str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -248,3 +251,42 @@ def _exit(code: int) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(code)  # pylint: disable=protected-access
+
+
+def watchdog_for_task(task: _cluster.Task, global_step: tf.Tensor,
+                      train_dir: str, *,
+                      stall_log_secs: float = 30.0) -> Watchdog:
+  """A `Watchdog` for a worker of `task`'s cluster, its words and bounds.
+
+  It says what this kind of cluster waits for and how to resume from the
+  chief's last checkpoint in `train_dir`, and stops the worker 15 s after
+  the task's ``step_timeout_secs`` without a step (never, without one).
+  """
+  if task.collective:
+    waiting_for = ("the collective all-reduce with every worker (%s)"
+                   % ", ".join(task.cluster.job_tasks("worker")))
+  else:
+    waiting_for = ("the parameter servers (%s) and, through "
+                   "SyncReplicasOptimizer's tokens, the other workers' "
+                   "gradients" % ", ".join(task.cluster.job_tasks("ps")))
+
+  def advice():
+    # None where this worker cannot read it: the chief's own directory.
+    step = _traindir.latest_step(train_dir)
+    resume = ("the chief's last checkpoint, step %d in %s" % (step, train_dir)
+              if step is not None else
+              "the chief's last checkpoint in --train_dir")
+    if task.collective:
+      return ("Collective mode has no backup workers: every worker stops. "
+              "Restart every worker with the same flags: training resumes "
+              "from %s (the steps after it are lost)" % resume)
+    return ("Restart the lost task with the same flags (the workers recover "
+            "a parameter server that comes back); or restart the cluster: "
+            "training resumes from %s (the steps after it are lost)"
+            % resume)
+
+  timeout = task.step_timeout_secs
+  return Watchdog(global_step, waiting_for, _cluster.peers(task),
+                  log_after_secs=stall_log_secs,
+                  timeout_secs=timeout + 15 if timeout else None,
+                  advice=advice)
