@@ -36,3 +36,6 @@ def test_every_public_symbol_is_in_the_api_reference():
     api = f.read()
   for name in towers.__all__ + ["__version__"]:
     assert "towers.%s" % name in api, name
+  from towers import training  # pylint: disable=g-import-not-at-top
+  for name in training.__all__:
+    assert "training.%s" % name in api, name

@@ -96,6 +96,12 @@ SETUPS = {
         next_batch = tf.data.make_one_shot_iterator(
             tf.data.Dataset.from_tensors(batch).repeat()).get_next
         """),
+    # The runner's pieces: a training directory of its own.
+    "with training.TrainDir(train_dir) as guard:": textwrap.dedent("""
+        import tempfile
+        from towers import training
+        train_dir = tempfile.mkdtemp()
+        """),
     # Fine-tuning: a pretrained checkpoint of bert/, a model with a new head.
     "tf.train.init_from_checkpoint(pretrained, assignment_map)":
         textwrap.dedent("""
