@@ -475,6 +475,7 @@ def _train(data_dir, train_dir, max_steps, **kwargs):
       batch_size=BATCH, max_steps=max_steps,
       initial_learning_rate=LEARNING_RATE, urls=[OFFLINE_URL], **kwargs)
 
+
 @pytest.mark.parametrize("args,words", [
     (dict(batch_size=-4), "--batch_size=-4 must be >= 1"),
     (dict(num_gpus=0), "--num_gpus=0 must be >= 1"),
@@ -500,6 +501,7 @@ def test_train_passes_pack_bytes_to_towers_minimize(tmp_path, monkeypatch,
         data_dir=str(tmp_path / "data"), train_dir=str(tmp_path / "train"),
         num_gpus=NUM_TOWERS, fake_data=True, max_steps=1, **args)
   assert seen == [want]
+
 
 def test_accumulated_micro_batches_move_the_averages_once_per_update(
     data_dir, tmp_path):

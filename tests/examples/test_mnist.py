@@ -558,6 +558,7 @@ def _listing(directory):
               os.path.getmtime(os.path.join(directory, n)))
           for n in os.listdir(directory)}
 
+
 @pytest.mark.parametrize("args,words", [
     (dict(batch_size=0), "--batch_size=0 must be >= 1"),
     (dict(batch_size=-4), "--batch_size=-4 must be >= 1"),
@@ -713,6 +714,7 @@ def test_fewer_gpus_than_towers_are_a_clear_error(tmp_path, monkeypatch):
     _train(str(tmp_path), str(tmp_path / "train"), max_steps=5,
            fake_data=True)
   assert not os.path.exists(tmp_path / "train")
+
 
 def test_sigterm_stops_the_script_at_once_with_a_checkpoint_and_143(
     tiny_mnist, tmp_path):
@@ -1166,6 +1168,7 @@ def test_a_float32_checkpoint_resumes_in_bfloat16_not_in_float16(
   del before["train.lock"], after["train.lock"]
   assert after == before  # Refused before a session.
   assert _train(data_dir, train_dir, max_steps=7, precision="bfloat16") == 7
+
 
 def _xla_compiled(op):
   try:

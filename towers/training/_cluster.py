@@ -53,11 +53,6 @@ Fields:
 COLLECTIVE_LEADER = "/job:worker/replica:0/task:0"
 
 
-def parse_hosts(text: str) -> List[str]:
-  """Splits a comma-separated ``host:port`` list, dropping empty entries."""
-  return [h.strip() for h in (text or "").split(",") if h.strip()]
-
-
 def make_cluster(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
                  job_name: str, task_index: int) -> tf.train.ClusterSpec:
   """Returns the cluster, after checking the flags that describe it.

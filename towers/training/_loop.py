@@ -52,6 +52,14 @@ def train(train_op: tf.Operation, t: towers.Towers, *, train_dir: str,
   servers `optimizer` (the ``SyncReplicasOptimizer``) gets its hook; a
   `Watchdog` bounds every wait.
 
+  Args:
+    train_op, t: the step and its `towers.Towers` (`towers.minimize`'s).
+    train_dir, max_steps: the checkpoints' directory; the step to stop at.
+    examples_per_step: the examples of one update, for the step line.
+    summary_op, config, hooks: the summaries, session config, more hooks.
+    log_every_n_steps, save_*: how often to log, save and summarize.
+    task, optimizer, stall_log_secs: a cluster's, see above and `Watchdog`.
+
   Returns:
     The global step reached.
 
