@@ -93,7 +93,7 @@ def train(train_op: tf.Operation, t: towers.Towers, *, train_dir: str,
         if not task.is_chief:
           _cluster.wait_for_model(task.server.target, config)
       dog = _watchdog.watchdog_for_task(task, global_step, train_dir,
-                               stall_log_secs=stall_log_secs)
+                                        stall_log_secs=stall_log_secs)
     try:
       return _run(
           train_op, t, directory, max_steps=max_steps,

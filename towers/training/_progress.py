@@ -54,15 +54,22 @@ def training_summaries(t: towers.Towers,
     def gradient_histograms() -> List[tf.Tensor]:
       return [_histogram(tag, values) for tag, values in gradients]
 
-    always = t.applies is None or tf.get_static_value(t.applies) is not None
-    if always or not gradients:
+    applies = _applies(t)
+    if applies is None or not gradients:
       summaries.extend(gradient_histograms())
     else:
       # An empty Summary where the run does not apply.
       summaries.append(tf.cond(
-          t.applies, lambda: tf.summary.merge(gradient_histograms()),
+          applies, lambda: tf.summary.merge(gradient_histograms()),
           lambda: tf.constant(b"")))
     return tf.summary.merge(summaries)
+
+
+def _applies(t: towers.Towers) -> Optional[tf.Tensor]:
+  """`t.applies` where it varies by run (accumulation), else None."""
+  if t.applies is None or tf.get_static_value(t.applies) is not None:
+    return None
+  return t.applies
 
 
 def _scalar(tag: str, value: tf.Tensor) -> tf.Tensor:
@@ -97,8 +104,7 @@ class StepLoggerHook(tf.train.SessionRunHook):
 
   def __init__(self, t: towers.Towers, examples_per_step: float, *,
                every_n_steps: int = 10, count_locally: bool = True):
-    self._applies = None if t.applies is None or (
-        tf.get_static_value(t.applies) is not None) else t.applies
+    self._applies = _applies(t)
     self._loss = t.loss
     self._loss_scale = t.loss_scale
     self._global_step = None
