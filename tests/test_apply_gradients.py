@@ -80,6 +80,14 @@ def _clipped(grads_and_vars):
   return list(zip(grads, variables)), norm
 
 
+def _step(sess, train_op, loss, norm):
+  """[loss, norm] of one step. The loss in a run of its own: with ref
+  variables the in-place update could race the weight decay term of a loss
+  fetched in the same run. The norm is an input of the update."""
+  loss_value = sess.run(loss)
+  return [loss_value, sess.run([train_op, norm])[1]]
+
+
 def _one_device(make_opt, x, y, restore=None):
   """Losses, norms and variables of STEPS single-device steps."""
   with tf.Graph().as_default():
@@ -95,7 +103,7 @@ def _one_device(make_opt, x, y, restore=None):
       sess.run(tf.global_variables_initializer())
       if restore:
         saver.restore(sess, restore)
-      history = [sess.run([train_op, loss, norm])[1:] for _ in range(STEPS)]
+      history = [_step(sess, train_op, loss, norm) for _ in range(STEPS)]
       return history, {v.op.name: sess.run(v) for v in tf.global_variables()}
 
 
@@ -119,7 +127,7 @@ def _by_hand(make_opt, mode, x, y, save=None, restore=None, num=2):
         saver.restore(sess, restore)
       # After the restore: the copies (and their state) start from copy 0.
       sess.run(tf.local_variables_initializer())
-      history = [sess.run([train_op, t.loss, norm])[1:] for _ in range(STEPS)]
+      history = [_step(sess, train_op, t.loss, norm) for _ in range(STEPS)]
       if save:
         saver.save(sess, save)
       values = {v.op.name: sess.run(v)
