@@ -9,6 +9,7 @@ chief saving would, unless it is listed in --stubborn: then only SIGKILL
 ends it.
 """
 
+import io
 import os
 import signal
 import socket
@@ -64,19 +65,6 @@ LAUNCHER = ("import sys\n"
             "    stop_grace_secs=float(sys.argv[2])))\n")
 
 
-class _Out:
-  """A file-like sink of the cluster's prefixed output lines."""
-
-  def __init__(self):
-    self.lines = []
-
-  def write(self, text):
-    self.lines.append(text)
-
-  def flush(self):
-    pass
-
-
 @pytest.fixture
 def stand_in(tmp_path):
   """(script, log_dir) of the stand-in task."""
@@ -124,6 +112,26 @@ def no_task_left():
   assert not alive, "tasks left running: %s" % alive
 
 
+@pytest.fixture
+def start_launcher(stand_in, python, wait_until, no_task_left):
+  """Starts LAUNCHER in a process and waits until every task has started:
+  ``start(grace_secs, *args, **popen_kwargs)`` gives (process, task pids)."""
+  script, log_dir = stand_in
+
+  def start(grace_secs, *args, **popen_kwargs):
+    popen_kwargs.setdefault("stdout", subprocess.DEVNULL)
+    popen_kwargs.setdefault("stderr", subprocess.DEVNULL)
+    proc = python.start(["-c", LAUNCHER, script, str(grace_secs),
+                         "--log_dir=%s" % log_dir] + list(args),
+                        **popen_kwargs)
+    wait_until(_all_started(log_dir), 60, "the tasks to start", proc)
+    pids = _pids(log_dir)
+    no_task_left.extend(pids)
+    return proc, pids
+
+  return start
+
+
 def test_exit_status_is_the_shells():
   assert [training.exit_status(c) for c in (0, 1, 3, -9, -15, -2)] == [
       0, 1, 3, 137, 143, 130]
@@ -151,7 +159,7 @@ def test_free_ports_are_distinct_and_free():
 def test_each_task_gets_the_cluster_flags_and_its_output_prefixed(
     stand_in, no_task_left):
   script, log_dir = stand_in
-  out = _Out()
+  out = io.StringIO()
   args = ["--log_dir=%s" % log_dir, "--secs=0.2"]
   with training.LocalCluster(script, 1, 2, args, out=out) as cluster:
     cluster.start_all()
@@ -160,7 +168,7 @@ def test_each_task_gets_the_cluster_flags_and_its_output_prefixed(
     assert cluster.wait_for_workers(poll_secs=0.05) == 0
   hosts = "--ps_hosts=%s --worker_hosts=%s" % (
       cluster.ps_hosts[0], ",".join(cluster.worker_hosts))
-  assert sorted(out.lines) == [
+  assert sorted(out.getvalue().splitlines(keepends=True)) == [
       "[%s%d] %s --job_name=%s --task_index=%d %s\n"
       % (job, i, hosts, job, i, " ".join(args))
       for job, i in [("ps", 0), ("worker", 0), ("worker", 1)]]
@@ -191,7 +199,7 @@ def test_a_worker_killed_by_sigkill_gives_137_and_one_line_naming_it(
     stand_in, absl_logs, wait_until, no_task_left):
   script, log_dir = stand_in
   with training.LocalCluster(script, 1, 2, ["--log_dir=%s" % log_dir],
-                             out=_Out()) as cluster:
+                             out=io.StringIO()) as cluster:
     cluster.start_all()
     no_task_left.extend(p.pid for p in cluster.tasks.values())
     wait_until(_all_started(log_dir), 30, "the tasks to start")
@@ -204,14 +212,11 @@ def test_a_worker_killed_by_sigkill_gives_137_and_one_line_naming_it(
 
 
 def test_a_signal_reaches_the_workers_first_then_the_ps_is_stopped(
-    stand_in, python, wait_until, no_task_left):
-  script, log_dir = stand_in
-  launcher = python.start(
-      ["-c", LAUNCHER, script, "2", "--log_dir=%s" % log_dir,
-       "--stubborn=worker1"], stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
-  wait_until(_all_started(log_dir), 60, "the tasks to start", launcher)
-  no_task_left.extend(_pids(log_dir))
+    stand_in, start_launcher):
+  _, log_dir = stand_in
+  launcher, _ = start_launcher(2, "--stubborn=worker1",
+                               stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
   launcher.send_signal(signal.SIGINT)  # Ctrl-C.
   out, _ = launcher.communicate(timeout=60)
   assert launcher.returncode == 128 + signal.SIGINT, out
@@ -232,15 +237,9 @@ def test_a_signal_reaches_the_workers_first_then_the_ps_is_stopped(
 
 
 def test_a_second_signal_kills_every_task_at_once(
-    stand_in, python, wait_until, no_task_left):
-  script, log_dir = stand_in
-  launcher = python.start(
-      ["-c", LAUNCHER, script, "60", "--log_dir=%s" % log_dir,
-       "--stubborn=ps0,worker0,worker1"], stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL)
-  wait_until(_all_started(log_dir), 60, "the tasks to start", launcher)
-  pids = _pids(log_dir)
-  no_task_left.extend(pids)
+    stand_in, start_launcher, wait_until):
+  _, log_dir = stand_in
+  launcher, pids = start_launcher(60, "--stubborn=ps0,worker0,worker1")
   launcher.send_signal(signal.SIGTERM)
   wait_until(lambda: all("signal%d" % signal.SIGTERM in _events(log_dir, n)
                          for n in NAMES[1:]), 30, "the workers' signal",
@@ -252,15 +251,9 @@ def test_a_second_signal_kills_every_task_at_once(
              "the tasks to be killed")
 
 
-def test_the_tasks_die_with_the_launcher_even_by_sigkill(
-    stand_in, python, wait_until, no_task_left):
-  script, log_dir = stand_in
-  launcher = python.start(
-      ["-c", LAUNCHER, script, "30", "--log_dir=%s" % log_dir],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  wait_until(_all_started(log_dir), 60, "the tasks to start", launcher)
-  pids = _pids(log_dir)
-  no_task_left.extend(pids)
+def test_the_tasks_die_with_the_launcher_even_by_sigkill(start_launcher,
+                                                         wait_until):
+  launcher, pids = start_launcher(30)
   assert all(_alive(p) for p in pids)
   launcher.kill()
   assert launcher.wait(timeout=10) == -signal.SIGKILL
