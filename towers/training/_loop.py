@@ -167,8 +167,8 @@ def _run(train_op, t, directory: _traindir.TrainDir, *, max_steps,
     step = logger.step
     if is_chief:
       # The step saved: in a cluster the logger's count may lag it by one.
-      saved = tf.train.latest_checkpoint(train_dir)
-      step = int(saved.rsplit("-", 1)[1]) if saved else step
+      saved = _traindir.latest_step(train_dir)
+      step = step if saved is None else saved
     logging.info("Received %s at step %d: %s, stopping",
                  signal.Signals(signals.received).name, step,
                  "saved a checkpoint" if is_chief else

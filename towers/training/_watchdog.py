@@ -181,11 +181,10 @@ class Watchdog(tf.train.SessionRunHook):
       now = time.time()
       with self._lock:
         waited = now - self._since
+        closing = self._phase == "closing"
       signum = self._signalled()
       if signum is not None and signal_seen is None:
         signal_seen = now
-      with self._lock:
-        closing = self._phase == "closing"
       # Closing, the chief saves its final checkpoint: the timeout bounds it.
       if (signum is not None and signal_seen is not None and not closing
           and now - signal_seen > self._grace):
