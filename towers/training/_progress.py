@@ -99,7 +99,8 @@ class StepLoggerHook(tf.train.SessionRunHook):
       advances the global step, which is then the step shown.
 
   Raises:
-    FloatingPointError: from the run whose loss is NaN.
+    FloatingPointError: from the run whose loss is NaN, before the hooks
+      after this one (a saver placed there saves nothing of that run).
   """
 
   def __init__(self, t: towers.Towers, examples_per_step: float, *,
