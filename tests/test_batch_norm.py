@@ -219,13 +219,18 @@ def _collectives(graph):
           if op.type == "CollectiveReduceV2"]
 
 
-def test_collectives_launch_in_one_order_on_each_device():
+@pytest.mark.parametrize("flow", ["minimize", "by_hand"])
+def test_collectives_launch_in_one_order_on_each_device(flow):
   x, y = data(8)
   with tf.Graph().as_default() as graph:
-    towers.minimize(model, tf.train.GradientDescentOptimizer(0.1), 2,
-                    inputs=(tf.constant(x), tf.constant(y)),
-                    devices=devices(2), variable_device="replicated",
-                    all_reduce="collective", pack_bytes=0)
+    opt = tf.train.GradientDescentOptimizer(0.1)
+    kwargs = dict(inputs=(tf.constant(x), tf.constant(y)), devices=devices(2),
+                  variable_device="replicated", all_reduce="collective")
+    if flow == "minimize":
+      towers.minimize(model, opt, 2, pack_bytes=0, **kwargs)
+    else:
+      t = towers.build_towers(model, opt, 2, **kwargs)
+      towers.average_gradients(t.tower_grads, pack_bytes=0)
     ops = _collectives(graph)
     for device in ["CPU:0", "CPU:1"]:
       mine = [op for op in ops if op.device.endswith(device)]

@@ -1,11 +1,14 @@
 """The public surface, import hygiene and the device helpers."""
 
+import gc
 import inspect
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
+import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
@@ -98,3 +101,33 @@ def test_tower_devices_take_a_task_prefix():
   kind = "gpu" if gpus >= 2 else "cpu"
   assert devices == ["/job:worker/task:3/%s:0" % kind,
                      "/job:worker/task:3/%s:1" % kind]
+
+
+def test_the_library_keeps_no_registry_of_graphs():
+  # What towers remembers about a graph is one object the graph holds
+  # (towers._state); no module keeps a table of its own.
+  registries = []
+  for name, module in sorted(sys.modules.items()):
+    if name.startswith("towers.") and not name.startswith("towers.training"):
+      registries += ["%s.%s" % (name, attr) for attr, value in
+                     vars(module).items()
+                     if isinstance(value, (weakref.WeakKeyDictionary, dict))
+                     and not attr.startswith("__")]
+  assert not registries
+
+
+@pytest.mark.parametrize("mode", ["cpu", "replicated"])
+def test_a_graph_with_towers_is_freed_with_its_last_reference(mode):
+  def model_fn(scope, x):
+    del scope
+    return tf.reduce_mean(tf.matmul(x, tf.get_variable("w", [4, 1])))
+
+  graph = tf.Graph()
+  with graph.as_default():
+    towers.minimize(model_fn, tf.train.GradientDescentOptimizer(0.1), 2,
+                    inputs=(tf.ones([4, 4]),), devices=["/cpu:0", "/cpu:1"],
+                    variable_device=mode)
+  ref = weakref.ref(graph)
+  del graph
+  gc.collect()
+  assert ref() is None

@@ -11,8 +11,8 @@ from towers._devices import virtual_cpu_config
 from towers._gradients import average_gradients
 from towers._gradients import GradsAndVars
 from towers._infer import infer
-from towers._replicate import build_towers
-from towers._replicate import Towers
+from towers._build import build_towers
+from towers._build import Towers
 from towers._train import minimize
 
 __version__ = "0.1.0"

@@ -33,9 +33,9 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
+from towers import _copies
 from towers import _gradients
 from towers import _regularization
-from towers import _replicas
 
 ApplyFn = Callable[[List[_gradients.GradsAndVars],
                     List[_gradients.Weight]], tf.Operation]
@@ -193,7 +193,7 @@ class _Accumulator:
     self._sparse = isinstance(grad, tf.IndexedSlices)
     if grad is None:
       return
-    primary = _replicas.primary_of(var)
+    primary = _copies.primary_of(var)
     name = "%s/%s" % (scope.rstrip("/"),
                       (primary[0] if primary else var).op.name)
     resource = _is_resource(var)

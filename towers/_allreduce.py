@@ -5,9 +5,9 @@ on ``devices[i]``, and returns their sum on each device. What differs is where
 the bytes go (P bytes per tensor, N towers):
 
 - ``"add_n"``: the towers' sum on one device (a chain of additions in tower
-  order), whose result every device reads: about 2·(N−1)·P through that
-  device. It is `average_gradients`' own sum,
-  the one-copy modes', so its result is bitwise theirs.
+  order, `sum_in_order`), whose result every device reads: about 2·(N−1)·P
+  through that device. It is the one-copy modes' sum too, so its result is
+  bitwise theirs.
 - ``"ring"``: graph ops only. Each tensor is cut into N chunks; chunk ``c``
   is summed as it travels the ring from device ``c`` (N−1 hops, one add on
   each), then the finished chunk travels on around (N−1 hops, copies).
@@ -23,16 +23,16 @@ order of additions differs).
 
 A collective op waits for its whole group: fetching one device's output
 alone would hang. Each output here waits for every op of its group, so any
-fetch runs the whole group. Each device also launches its collectives in one
-order (a control edge from its previous one): NCCL deadlocks when two devices
-launch two all-reduces in opposite orders.
+fetch runs the whole group; each device launches them in one order
+(`_collectives`).
 """
 
-import weakref
-from typing import Dict, List, Optional, Sequence
+import functools
+from typing import List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
+from towers import _collectives
 from towers import _devices
 from towers import _workers
 
@@ -81,21 +81,44 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
 
 
 def all_sum(tensors: Sequence[tf.Tensor], devices: Sequence[str],
-            algorithm: str, launched: Dict[str, tf.Operation],
+            algorithm: str, order: _collectives.LaunchOrder,
             chunks: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
-  """Returns the sum of `tensors` on each of `devices`: ``"ring"`` or
-  ``"collective"`` (``"add_n"`` is `average_gradients`' own sum).
+  """Returns the sum of `tensors` on each of `devices` by `algorithm`.
 
-  `launched` maps each device to the last collective launched there by the
-  same reduction (updated here): the next one waits for it. `chunks`, for
-  the ring, are the sizes of its N chunks of the flattened tensor (a pack's,
-  `_packing.pack`); None cuts it with `split_sizes`.
+  ``"add_n"`` sums on ``devices[0]`` and returns that one tensor for every
+  device (one tensor alone is an identity there, so that it can wait for
+  what the caller's control dependencies say). A collective launches in
+  `order`. `chunks`, for the ring, are the sizes of its N chunks of the
+  flattened tensor (a pack's, `_packing.pack`); None cuts it with
+  `split_sizes`.
   """
+  if algorithm == "add_n":
+    with tf.device(devices[0]):
+      total = sum_in_order(tensors) if len(tensors) > 1 \
+          else tf.identity(tensors[0])
+    return [total] * len(devices)
   if algorithm == "ring":
     return _ring(tensors, devices, chunks)
   if algorithm == "collective":
-    return _collective(tensors, devices, launched)
+    return _collective(tensors, devices, order)
   raise ValueError("unknown all-reduce algorithm %r" % (algorithm,))
+
+
+def sum_in_order(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+  """Returns ``((t0 + t1) + t2) + ...``: the towers' sum in tower order.
+
+  A chain of additions, not ``tf.add_n``: Grappler's arithmetic optimizer
+  sorts an ``AddN``'s inputs by their names when they are products (a
+  tower's weight times its gradient, or a regularizer's gradient), so its
+  order of additions, and the sum's last bits, would follow op names, and a
+  pack's sum would differ from the gradients' own. A binary addition gives
+  the same bits either way round, so the chain's order holds; each addition
+  can reuse its left input's buffer.
+  """
+  total = tensors[0]
+  for tensor in tensors[1:]:
+    total = tf.add(total, tensor)
+  return total
 
 
 def _ring(tensors: Sequence[tf.Tensor], devices: Sequence[str],
@@ -155,62 +178,28 @@ def _chunk_sizes(flat: tf.Tensor, n: int):
                    for i in range(n)])
 
 
-# Per graph: the last instance key.
-_INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def instance_key() -> int:
-  """A new collective instance key, unique in the default graph."""
-  instances = _INSTANCES.setdefault(tf.get_default_graph(), [0])
-  instances[0] += 1
-  return instances[0]
-
-
-def member(tensor: tf.Tensor, group_size: int, group: int,
-           instance: int) -> tf.Tensor:
-  """One device's ``CollectiveReduceV2`` (sum) of a group, with the NCCL
-  hint; build it under that device. It returns only once every member of
-  the group has run: tie what reads it to all of them."""
-  return tf.raw_ops.CollectiveReduceV2(
-      input=tensor, group_size=group_size, group_key=group,
-      instance_key=instance, ordering_token=[], merge_op="Add",
-      final_op="Id", communication_hint="nccl")
-
-
 def all_gather(tensors: Sequence[tf.Tensor], device: str,
-               launched: Dict[str, tf.Operation]) -> List[tf.Tensor]:
+               order: _collectives.LaunchOrder) -> List[tf.Tensor]:
   """Concatenates each of `tensors` (on `device`) with its peers on the
   other workers along axis 0, worker after worker (``CollectiveGatherV2``;
   every worker's must have the same shape at run time)."""
-  size, group = _workers.group([device])
-  results = []
-  for tensor in tensors:
-    previous = launched.get(_devices.canonical(device))
-    with tf.device(device), tf.control_dependencies(
-        [previous] if previous is not None else []):
-      gathered = tf.raw_ops.CollectiveGatherV2(
-          input=tensor, group_size=size, group_key=group,
-          instance_key=instance_key(), ordering_token=[],
-          communication_hint="auto")
-    launched[_devices.canonical(device)] = gathered.op
-    results.append(gathered)
-  return results
+  size, group = _collectives.group_of([device])
+  return [order.launch(device, functools.partial(
+      tf.raw_ops.CollectiveGatherV2, input=tensor, group_size=size,
+      group_key=group, instance_key=_collectives.instance_key(),
+      ordering_token=[], communication_hint="auto")) for tensor in tensors]
 
 
 def _collective(tensors: Sequence[tf.Tensor], devices: Sequence[str],
-                launched: Dict[str, tf.Operation]) -> List[tf.Tensor]:
-  size, group = _workers.group(devices)
-  instance = instance_key()
-  outputs = []
-  for tensor, device in zip(tensors, devices):
-    previous = launched.get(_devices.canonical(device))
-    with tf.device(device), tf.control_dependencies(
-        [previous] if previous is not None else []):
-      outputs.append(member(tensor, size, group, instance))
+                order: _collectives.LaunchOrder) -> List[tf.Tensor]:
+  size, group = _collectives.group_of(devices)
+  instance = _collectives.instance_key()
+  outputs = [order.launch(device, functools.partial(
+      _collectives.member, tensor, size, group, instance))
+             for tensor, device in zip(tensors, devices)]
   ops = [o.op for o in outputs]
   tied = []
   for output, device in zip(outputs, devices):
-    launched[_devices.canonical(device)] = output.op
     with tf.device(device), tf.control_dependencies(ops):
       tied.append(tf.identity(output))
   return tied

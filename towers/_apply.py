@@ -23,10 +23,10 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import tensorflow.compat.v1 as tf
 
+from towers import _copies
 from towers import _gradients
 from towers import _placement
 from towers import _replay
-from towers import _replicas
 
 # Where a routed apply_gradients keeps the optimizer's own.
 _ORIGINAL = "_towers_original_apply_gradients"
@@ -61,8 +61,7 @@ def apply_gradients(opt: tf.train.Optimizer,
 
   Raises:
     TypeError: if `opt` cannot apply gradients or an entry is not a pair.
-    ValueError: if a pair names a copy other than copy 0, or the pairs went
-      through an op that cannot run once per copy (side effects, a loop).
+    ValueError: if a pair names a copy other than copy 0.
   """
   if not callable(getattr(opt, "apply_gradients", None)):
     raise TypeError("expected opt to be a tf.compat.v1.train.Optimizer, got "
@@ -89,16 +88,16 @@ def per_copy(grads_and_vars: _gradients.GradsAndVars
   """Returns ``[num_copies]`` pair lists: `grads_and_vars`, then each other
   copy's pairs (its copied variables only), computed on its device."""
   pairs = _checked(grads_and_vars)
-  copies = [_replicas.copies_of(v) for _, v in pairs]
+  copies = [_copies.copies_of(v) for _, v in pairs]
   groups = [pairs]
   targets = [t for (g, _), c in zip(pairs, copies) if c
              for t in _gradients.tensors(g)]
   for index in range(1, max(map(len, copies), default=0) + 1):
     device = next(c[index - 1].device for c in copies if len(c) >= index)
-    prefix = _replicas.PREFIX % index
+    prefix = _copies.PREFIX % index
     replayed = dict(zip([t.name for t in targets], _replay.replay(
-        targets, _replicas.stand_ins(index), device, prefix,
-        _replicas.averaged_at())))
+        targets, _copies.stand_ins(index), device, prefix,
+        _copies.averaged_at())))
     with tf.name_scope(prefix.rstrip("/")):
       groups.append([(_on_copy(g, replayed, c[index - 1]), c[index - 1])
                      for (g, _), c in zip(pairs, copies) if len(c) >= index])
@@ -112,7 +111,7 @@ def apply_per_copy(original: Callable[..., tf.Operation],
   """Calls `original` (an ``apply_gradients``) once on every copy's pairs."""
   flat = [pair for group in groups for pair in group]
   kwargs = {} if name is None else {"name": name}
-  with _replicas.local_slots(), _next_to_variables(flat):
+  with _copies.local_slots(), _next_to_variables(flat):
     return original(flat, global_step=global_step, **kwargs)
 
 
@@ -131,7 +130,7 @@ def _checked(grads_and_vars) -> _gradients.GradsAndVars:
     if not isinstance(pair, (list, tuple)) or len(pair) != 2:
       raise TypeError("expected (grad, var) pairs, as average_gradients "
                       "returns them, got %r" % (pair,))
-    primary = _replicas.primary_of(pair[1])
+    primary = _copies.primary_of(pair[1])
     if primary is not None:
       raise ValueError(
           "the pairs name %s, copy %d of %s; apply copy 0's pairs (what "

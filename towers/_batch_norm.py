@@ -2,11 +2,11 @@
 statistics, so N towers train the model one device trains.
 
 Per-tower batch norm normalizes each shard with the shard's own mean and
-variance: with N towers that is a different model from one device's (the
-weights' gradient measured 0.2 off). Here the count, sum and sum of squares
-of each tower's shard go through one cross-tower sum (`TowerContext.all_sum`,
-whose gradient is a cross-tower sum too), so outputs, gradients and moving
-averages are those of one device on the whole batch, uneven shards included.
+variance: with N towers that is a different model from one device's. Here
+the count, sum and sum of squares of each tower's shard go through one
+cross-tower sum (`TowerContext.all_sum`, whose gradient is a cross-tower sum
+too), so outputs, gradients and moving averages are those of one device on
+the whole batch, uneven shards included.
 
 Outside towers, with one tower, or with ``training=False``, it is the
 ordinary layer, with no collective. The variables are those of

@@ -1,12 +1,13 @@
 """Broadcast from the chief: every worker starts from worker 0's values."""
 
 import collections
+import functools
 from typing import Dict, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
-from towers import _allreduce
-from towers import _replicas
+from towers import _collectives
+from towers import _copies
 from towers import _workers
 
 
@@ -60,26 +61,30 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
         list)
     for var in sorted(var_list, key=lambda v: v.op.name):
       by_dtype[var.dtype.base_dtype].append(var)
-    _, group = _workers.group([home])
+    _, group = _collectives.group_of([home])
+    order = _collectives.LaunchOrder()
     assigns: List[tf.Operation] = []
     previous: List[tf.Operation] = []
     for dtype in sorted(by_dtype, key=lambda d: d.name):
       variables = by_dtype[dtype]
       sizes = [v.shape.num_elements() for v in variables]
-      instance = _allreduce.instance_key()
-      with tf.device(home), tf.control_dependencies(previous):
-        if chief:
-          sent = tf.raw_ops.CollectiveBcastSendV2(
-              input=tf.concat([tf.reshape(v.read_value(), [-1])
-                               for v in variables], 0),
-              group_size=workers, group_key=group, instance_key=instance,
-              communication_hint="auto")
-          previous = [sent.op]
-          continue
-        received = tf.raw_ops.CollectiveBcastRecvV2(
+      instance = _collectives.instance_key()
+      if chief:
+        with tf.device(home):
+          values = tf.concat([tf.reshape(v.read_value(), [-1])
+                              for v in variables], 0)
+        sent = order.launch(home, functools.partial(
+            tf.raw_ops.CollectiveBcastSendV2, input=values,
             group_size=workers, group_key=group, instance_key=instance,
-            shape=[sum(sizes)], T=dtype, communication_hint="auto")
-        previous = [received.op]
+            communication_hint="auto"))
+        previous = [sent.op]
+        continue
+      received = order.launch(home, functools.partial(
+          tf.raw_ops.CollectiveBcastRecvV2, group_size=workers,
+          group_key=group, instance_key=instance, shape=[sum(sizes)],
+          T=dtype, communication_hint="auto"))
+      previous = [received.op]
+      with tf.device(home):
         parts = tf.split(received, sizes)
       for var, part in zip(variables, parts):
         with tf.device(var.device):
@@ -87,5 +92,5 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
     # The copies (and their slots) read copy 0 after it has its new value.
     with tf.control_dependencies(assigns + previous):
       copies = [copy.assign(source.read_value()).op
-                for copy, source in _replicas.sources()]
+                for copy, source in _copies.sources()]
     return tf.group(assigns + previous + copies, name="broadcast")

@@ -23,21 +23,19 @@ synchronized batch norm are made of. It guarantees:
 """
 
 import contextlib
+import functools
 import numbers
-import weakref
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import tensorflow.compat.v1 as tf
 
-from towers import _allreduce
+from towers import _collectives
 from towers import _devices
+from towers import _replay
+from towers import _state
 from towers import _workers
 
 Share = Union[float, tf.Tensor]
-
-# Per graph: the context of the tower being built, and every group.
-_CURRENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class TowerContext:
@@ -53,10 +51,10 @@ class TowerContext:
     scope: this tower's name scope, such as ``'tower_1/'``.
   """
 
-  __slots__ = ("_group", "_index")
+  __slots__ = ("_set", "_index")
 
-  def __init__(self, group: "Group", index: int):
-    self._group = group
+  def __init__(self, tower_set: "TowerSet", index: int):
+    self._set = tower_set
     self._index = index
 
   @property
@@ -65,19 +63,19 @@ class TowerContext:
 
   @property
   def num_towers(self) -> int:
-    return len(self._group.devices)
+    return len(self._set.devices)
 
   @property
   def devices(self) -> Tuple[str, ...]:
-    return tuple(self._group.devices)
+    return tuple(self._set.devices)
 
   @property
   def key(self) -> int:
-    return self._group.key
+    return self._set.key
 
   @property
   def scope(self) -> str:
-    return self._group.scopes[self._index]
+    return self._set.scopes[self._index]
 
   def __repr__(self) -> str:
     return "TowerContext(index=%d, num_towers=%d, key=%d)" % (
@@ -115,7 +113,7 @@ class TowerContext:
       tensor = tf.convert_to_tensor(tensor)
       if self.num_towers == 1 and _workers.count() == 1:
         return tf.identity(tensor)
-      return self._group.all_sum(self._index, tensor)
+      return self._set.all_sum(self._index, tensor)
 
 
 def tower_context() -> Optional[TowerContext]:
@@ -128,7 +126,7 @@ def tower_context() -> Optional[TowerContext]:
   """
   graph = tf.get_default_graph()
   while graph is not None:
-    context = _CURRENT.get(graph)
+    context = _state.of(graph).building
     if context is not None:
       return context
     # A tf.cond/tf.while_loop (v2) or tf.function body inside a tower.
@@ -136,15 +134,15 @@ def tower_context() -> Optional[TowerContext]:
   return None
 
 
-class Group:
+class TowerSet:
   """The towers of one `build_towers` call and their cross-tower sums."""
 
   def __init__(self, devices: Sequence[str], uniform: bool,
                device_check: Optional[tf.Operation] = None):
     self.graph = tf.get_default_graph()
-    groups = _GROUPS.setdefault(self.graph, [])
-    groups.append(self)
-    self.key = len(groups)
+    state = _state.of(self.graph)
+    state.tower_sets += 1
+    self.key = state.tower_sets
     self.devices = list(devices)
     self.scopes: List[str] = [""] * len(devices)
     # Each tower's share of the global batch (or a number proportional to
@@ -161,22 +159,28 @@ class Group:
     self._members: List[Dict[int, tf.Operation]] = []
     self._results: List[Dict[int, tf.Operation]] = []
     self._calls = [0] * len(devices)
-    # The last member launched on each device.
-    self.launched: Dict[str, tf.Operation] = {}
+    self.order = _collectives.LaunchOrder()
 
   @contextlib.contextmanager
   def tower(self, index: int, scope: str, share: Share) -> Iterator[None]:
     """Makes tower `index` the current tower while it is built."""
     self.scopes[index] = scope
     self.shares[index] = share
-    _CURRENT[self.graph] = TowerContext(self, index)
+    state = _state.of(self.graph)
+    state.building = TowerContext(self, index)
     try:
       yield
     finally:
-      del _CURRENT[self.graph]
+      state.building = None
 
-  def check_complete(self) -> None:
-    """Raises if the towers built different numbers of cross-tower sums."""
+  def finish(self, start: int) -> None:
+    """Ends the set, whose towers made the ops after op `start`: their
+    gradients' all-reduce will continue the sums' launch order
+    (`launch_order_of`).
+
+    Raises:
+      ValueError: if the towers built different numbers of cross-tower sums.
+    """
     if len(set(self._calls)) > 1:
       most = max(range(len(self._calls)), key=self._calls.__getitem__)
       fewest = min(range(len(self._calls)), key=self._calls.__getitem__)
@@ -189,6 +193,9 @@ class Group:
           "`if context.index == 0`)" % (
               _tower(self.scopes[most], most), self._calls[most],
               _tower(self.scopes[fewest], fewest), self._calls[fewest]))
+    if self.order:
+      orders = _state.of(self.graph).launch_orders
+      orders.update((op, self.order) for op in _replay.made_after(start))
 
   def all_sum(self, index: int, tensor: tf.Tensor) -> tf.Tensor:
     """Tower `index`'s member of its next cross-tower sum, differentiable."""
@@ -204,7 +211,7 @@ class Group:
 
   def _gradient(self, index: int, dy: tf.Tensor) -> tf.Tensor:
     current = tower_context()
-    if current is None or current._group is not self or (  # pylint: disable=protected-access
+    if current is None or current._set is not self or (  # pylint: disable=protected-access
         current.index != index):
       raise ValueError(
           "the gradient of %s's cross-tower sum (a synchronized batch norm, "
@@ -247,7 +254,7 @@ class Group:
     self._calls[index] += 1
     spec = (tensor.dtype.base_dtype, tensor.shape)
     if k == len(self._instances):
-      self._instances.append(_allreduce.instance_key())
+      self._instances.append(_collectives.instance_key())
       self._specs.append(spec)
       self._members.append({})
       self._results.append({})
@@ -260,16 +267,13 @@ class Group:
               k, _tower(self.scopes[index], index), spec[0].name, spec[1],
               self._specs[k][0].name, self._specs[k][1]))
     device = self.devices[index]
-    spelled = _devices.canonical(device)
-    previous = self.launched.get(spelled)
     members = self._members[k]
+    output = self.order.launch(device, functools.partial(
+        _collectives.member, tensor, *_collectives.group_of(self.devices),
+        self._instances[k]),
+        after=() if self._device_check is None else [self._device_check])
+    members[index] = output.op
     with tf.device(device):
-      with tf.control_dependencies(
-          [op for op in (previous, self._device_check) if op is not None]):
-        output = _allreduce.member(tensor, *_workers.group(self.devices),
-                                   self._instances[k])
-      members[index] = output.op
-      self.launched[spelled] = output.op
       with tf.control_dependencies(list(members.values())):
         result = tf.identity(output)
     # The towers built before this one: their results wait for this member
@@ -281,20 +285,17 @@ class Group:
     return result
 
 
-def launched_before(tensors: Sequence[object]) -> Dict[str, tf.Operation]:
-  """The last cross-tower sum on each device of the towers that built
-  `tensors` (gradients), for their all-reduce to launch after; empty if
-  they were not built in towers with cross-tower sums."""
-  groups = _GROUPS.get(tf.get_default_graph(), [])
+def launch_order_of(tensors: Sequence[object]) -> _collectives.LaunchOrder:
+  """The launch order the all-reduce of `tensors` (gradients, losses) starts
+  from: where the cross-tower sums of the towers that made them left off,
+  or a new one for tensors made outside such towers."""
+  orders = _state.of().launch_orders
   for tensor in tensors:
-    name = getattr(getattr(tensor, "op", None), "name", None)
-    if name is None:
-      continue
-    for group in groups:
-      if group.launched and any(s and name.startswith(s)
-                                for s in group.scopes):
-        return dict(group.launched)
-  return {}
+    op = tensor if isinstance(tensor, tf.Operation) else getattr(
+        tensor, "op", None)
+    if op in orders:
+      return orders[op].continued()
+  return _collectives.LaunchOrder()
 
 
 def _tower(scope: str, index: int) -> str:

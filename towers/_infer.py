@@ -7,7 +7,7 @@ import tensorflow.compat.v1 as tf
 from towers import _device_check
 from towers import _devices
 from towers import _placement
-from towers import _replicate
+from towers import _tower_loop
 
 
 def infer(model_fn: Callable[..., object],
@@ -67,7 +67,7 @@ def infer(model_fn: Callable[..., object],
             "on axis 0" % (t.name, scope.rstrip("/")))
     return outputs
 
-  built = _replicate.run_towers(
+  built = _tower_loop.build_each_tower(
       tower, num_gpus, inputs=inputs, devices=devices,
       variable_device=variable_device, tower_name=tower_name,
       allow_empty=True)

@@ -1,12 +1,12 @@
 """Each tower's loss reads its own batch, and the towers regularize alike.
 
-Two mistakes make the averaged gradient silently wrong, and both are found
-in the graph once the towers are built:
+Three mistakes make the averaged gradient silently wrong, and all three are
+found in the graph once the towers are built:
 
 - A tower's loss that reads another tower's data. ``model_fn`` returning
   ``tf.losses.get_total_loss()`` (or the unscoped ``'losses'`` collection)
-  sums every loss added so far, so tower 1's loss includes tower 0's: with 2
-  towers the average was measured 85% off. A tower's data is everything
+  sums every loss added so far, so tower 1's loss includes tower 0's. A
+  tower's data is everything
   computed from its batch, or from a source of data (placeholder, input
   pipeline, random numbers: a stateful op other than a variable) built in
   its name scope. Ops computed from variables and constants alone, such as
@@ -14,8 +14,8 @@ in the graph once the towers are built:
   design and allowed.
 - Towers whose losses include different regularization losses. A
   regularizer runs once, when tower 0 creates the variable, so a loss that
-  sums its own scope's collection counts it in tower 0 only (measured 7%
-  off). A Keras model's weight regularizers (``model.losses``) are built
+  sums its own scope's collection counts it in tower 0 only. A Keras
+  model's weight regularizers (``model.losses``) are built
   anew wherever they are read, so they are compared by the weight.
 - A regularization loss the towers created that no tower's loss reads:
   ``tf.get_variable(..., regularizer=...)`` makes it beside the variable,
@@ -23,7 +23,7 @@ in the graph once the towers are built:
   ``tf.losses.get_total_loss(scope=scope)`` misses it in every tower and
   the weight decay is silently dropped.
 
-Neither walk crosses resource or reference tensors: a variable handle or a
+The walks do not cross resource or reference tensors: a variable handle or a
 queue is shared state, not a tower's data.
 """
 

@@ -34,9 +34,11 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
+from towers import _collectives
+from towers import _reduction
 
-# The largest size the pack_bytes sweep measured to gain (benchmarks/, see
-# docs/performance.md): 1.6x at 1 KiB, 1.2x at 16 KiB, none above.
+# The largest gradient size at which packing still gained in the pack_bytes
+# sweep (benchmarks/packing.py; docs/performance.md has the numbers).
 DEFAULT_PACK_BYTES = 16 * 1024
 
 
@@ -61,24 +63,67 @@ def packable(grad: object, pack_bytes: int) -> bool:
   return grad.shape.num_elements() * grad.dtype.size <= pack_bytes
 
 
-def group(keys: Sequence[Optional[Hashable]]) -> List[List[int]]:
+def key(position: _reduction.VariableGrads,
+        pack_bytes: int) -> Optional[Tuple[object, ...]]:
+  """What a position packed with this one shares, or None if unpackable:
+  its dtype, the devices its towers' gradients are on, and where and how
+  it is reduced."""
+  if not all(packable(g, pack_bytes) for g in position.grads):
+    return None
+  dtypes = {g.dtype.base_dtype for g in position.grads}
+  if len(dtypes) > 1:
+    return None
+  return (dtypes.pop(), tuple(g.device for g in position.grads),
+          tuple(position.where), position.shared, position.algorithm)
+
+
+def units(keys: Sequence[Optional[Hashable]]) -> List[List[int]]:
   """Returns the positions of `keys` in units reduced together.
 
   Positions sharing a key (not None) form one unit, as do positions alone
   under theirs; every other position is a unit of one. Units come in the
   order of their first position, positions within a unit in their order.
   """
-  units: List[List[int]] = []
+  found: List[List[int]] = []
   by_key: Dict[Hashable, List[int]] = {}
-  for position, key in enumerate(keys):
-    if key is None:
-      units.append([position])
-    elif key in by_key:
-      by_key[key].append(position)
+  for position, k in enumerate(keys):
+    if k is None:
+      found.append([position])
+    elif k in by_key:
+      by_key[k].append(position)
     else:
-      by_key[key] = [position]
-      units.append(by_key[key])
-  return units
+      by_key[k] = [position]
+      found.append(by_key[k])
+  return found
+
+
+def mean_of_pack(members: List[_reduction.VariableGrads],
+                 weights: List[_reduction.Weight], uniform: bool,
+                 waits: List[List[tf.Operation]],
+                 order: _collectives.LaunchOrder
+                ) -> List[List[Optional[_reduction.Gradient]]]:
+  """Returns `_reduction.mean` of each member, from one reduction of a pack.
+
+  Each tower's gradients are packed on that tower's device, and the result
+  unpacked on each device it is left on (next to each copy, or to the
+  variable), so one tensor crosses where one per gradient would.
+  """
+  first = members[0]
+  chunks = len(first.where) if first.algorithm == "ring" else 1
+  packs, sizes = [], None
+  for i in range(len(first.grads)):
+    with tf.device(first.grads[i].device):
+      packed, sizes = pack([m.grads[i] for m in members], chunks)
+      packs.append(packed)
+  results = _reduction.mean(packs, weights, uniform, waits, first.where,
+                            first.algorithm, order, sizes)
+  shapes = [m.grads[0].shape for m in members]
+  unpacked = []
+  for result, where in zip(results, first.where):
+    with tf.device(where):
+      unpacked.append(unpack(result, shapes, chunks))
+  # [num_devices][num_members] -> [num_members][num_devices]
+  return [list(per_member) for per_member in zip(*unpacked)]
 
 
 def pack(tensors: Sequence[tf.Tensor],

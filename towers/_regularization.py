@@ -21,21 +21,19 @@ weight decay where the model puts it: each copy is on its tower already.
 """
 
 import re
-import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
+from towers import _allreduce
 from towers import _isolation
+from towers import _reduction
 from towers import _replay
+from towers import _state
 
 _SUMS = frozenset(["AddN", "AddV2", "Add"])
 # A gradient op's name: <scope>/gradients[_k]/<forward op>_grad[_k]/...
 _GRADIENT_OF = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad(?:_\d+)?/")
-
-# Per graph: a tower's gradient's name -> (its data part, its weight-decay
-# parts).
-_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 Parts = Tuple[tf.Tensor, List[tf.Tensor]]
 
@@ -148,11 +146,72 @@ def record(grad: tf.Tensor, data: List[tf.Tensor],
       data_part = tf.add_n(data)
   else:
     data_part = data[0]
-  _PARTS.setdefault(grad.graph, {})[grad.name] = (data_part, decay)
+  _state.of(grad.graph).weight_decay[grad.name] = (data_part, decay)
 
 
 def parts(grad) -> Optional[Parts]:
   """``(data part, weight-decay parts)`` of a recorded gradient, or None."""
   if not isinstance(grad, tf.Tensor):
     return None
-  return _PARTS.get(grad.graph, {}).get(grad.name)
+  return _state.of(grad.graph).weight_decay.get(grad.name)
+
+
+def without_weight_decay(tower_grads: Sequence[Sequence[Tuple[object, object]]],
+                         device: Optional[str]):
+  """Places weight decay's share of the towers' gradients for their
+  reduction next to its variables.
+
+  Where a shared variable's gradient is, in every tower, a data part plus
+  weight decay computed next to the variable: reduced there, each tower's
+  sum moves there too (the data part crosses as the whole did, the same
+  sum); reduced on `device`, the data parts are, and the weight decay is
+  added next to the variable afterwards (`add_weight_decay`).
+
+  Returns:
+    The pairs to reduce, and {position: [num_towers] weight-decay parts}
+    to add after the reduction.
+  """
+  decay: Dict[int, List[List[tf.Tensor]]] = {}
+  data: Dict[Tuple[int, int], tf.Tensor] = {}
+  for i, pairs in enumerate(zip(*tower_grads)):
+    home = pairs[0][1].device
+    if any(v is not pairs[0][1] for _, v in pairs):
+      continue  # Copies: each tower's weight decay is its own copy's.
+    split_parts = [parts(g) for g, _ in pairs]
+    if not all(p is not None and all(t.device == home for t in p[1])
+               for p in split_parts):
+      continue
+    if device is None:
+      for grad, _ in pairs:
+        grad.op._set_device(home)  # pylint: disable=protected-access
+      continue
+    decay[i] = [p[1] for p in split_parts if p is not None]
+    data.update(((j, i), p[0]) for j, p in enumerate(split_parts)
+                if p is not None)
+  if not decay:
+    return tower_grads, decay
+  return [[(data.get((j, i), g), v) for i, (g, v) in enumerate(tower)]
+          for j, tower in enumerate(tower_grads)], decay
+
+
+def add_weight_decay(results: List[Optional[_reduction.Gradient]],
+                     decay: List[List[tf.Tensor]],
+                     position: _reduction.VariableGrads,
+                     weights: List[_reduction.Weight], uniform: bool
+                    ) -> List[Optional[_reduction.Gradient]]:
+  """Adds the towers' weight-decay parts, averaged next to the variable, to
+  each averaged data part, there (next to each copy, when replicated)."""
+  with tf.device(position.variables[0].device), tf.name_scope("weight_decay"):
+    per_tower = [_allreduce.sum_in_order(p) for p in decay]
+    if not uniform:
+      per_tower = [_reduction.scaled(t, w) for t, w in zip(per_tower, weights)]
+    total = _reduction.opaque(_reduction.combine(
+        per_tower, _allreduce.sum_in_order, uniform))
+  homes = position.variables[:1] if position.shared else position.variables
+  done: Dict[int, _reduction.Gradient] = {}
+  for result, var in zip(results, homes):
+    if id(result) not in done:
+      with tf.device(var.device):
+        done[id(result)] = tf.add(
+            _reduction.opaque(tf.convert_to_tensor(result)), total)
+  return [done[id(result)] for result in results]

@@ -26,6 +26,8 @@ from typing import List, Sequence
 
 import tensorflow.compat.v1 as tf
 
+from towers import _graph
+
 CAPACITY = 1
 
 _PLACEHOLDERS = frozenset(["Placeholder", "PlaceholderV2"])
@@ -112,16 +114,6 @@ def _check_tensors(tensors: List[object], scope: str) -> None:
 
 
 def _placeholder_above(tensors: List[tf.Tensor]):
-  """The first placeholder op the tensors depend on, or None."""
-  seen = set()
-  stack = [t.op for t in tensors]
-  while stack:
-    op = stack.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    if op.type in _PLACEHOLDERS:
-      return op
-    stack.extend(t.op for t in op.inputs)
-    stack.extend(op.control_inputs)
-  return None
+  """A placeholder op the tensors depend on (the first by name), or None."""
+  found = [op for op in _graph.upstream(tensors) if op.type in _PLACEHOLDERS]
+  return min(found, key=lambda op: op.name) if found else None

@@ -10,7 +10,7 @@ from towers import _gradients
 from towers import _loss_scale
 from towers import _packing
 from towers import _precision
-from towers import _replicate
+from towers import _build
 
 
 def minimize(model_fn: Callable[..., object],
@@ -23,7 +23,7 @@ def minimize(model_fn: Callable[..., object],
              pack_bytes: int = _packing.DEFAULT_PACK_BYTES,
              loss_scale: _loss_scale.LossScaleSpec = None,
              accumulate_steps: int = 1,
-             **build_towers_kwargs) -> Tuple[tf.Operation, _replicate.Towers]:
+             **build_towers_kwargs) -> Tuple[tf.Operation, _build.Towers]:
   """Builds the towers and one synchronous training step over all of them.
 
   The seed's step in one call: `build_towers`, `average_gradients` with the
@@ -68,7 +68,7 @@ def minimize(model_fn: Callable[..., object],
       loss_scale, opt, _precision.check_compute_dtype(
           build_towers_kwargs.get("compute_dtype")))
   scale = None if loss_scale is None else _loss_scale.LossScale(loss_scale)
-  towers = _replicate.build_towers(
+  towers = _build.build_towers(
       model_fn, opt if scale is None else _loss_scale.ScaledGradients(
           opt, scale), num_gpus, **build_towers_kwargs)
   if all(g is None for g, _ in towers.tower_grads[0]):

@@ -10,9 +10,11 @@ an update: it joins ``UPDATE_OPS``, so tower 0's run once per step like
 ``model.updates`` then holds every tower's, and must not be run as well.
 """
 
-from typing import Iterator, List, Set
+from typing import Iterator, List
 
 import tensorflow.compat.v1 as tf
+
+from towers import _graph
 
 # Ops that write a variable (resource and ref).
 WRITES = frozenset(["AssignVariableOp", "AssignAddVariableOp",
@@ -35,26 +37,11 @@ def collect(made: List[tf.Operation], scope: str, loss: tf.Tensor,
   roots += [v.initializer for v in variables]
   for key in graph.get_all_collection_keys():
     roots.extend(_ops(graph.get_collection(key)))
-  live = _ancestors(roots, set(made))
+  live = _graph.upstream(roots, within=set(made))
   owned = {v.op for v in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)}
   for op in writes:
     if op not in live and op.inputs[0].op in owned:
       tf.add_to_collection(tf.GraphKeys.UPDATE_OPS, op)
-
-
-def _ancestors(roots: List[tf.Operation],
-               within: Set[tf.Operation]) -> Set[tf.Operation]:
-  """The ops of `within` that `roots` depend on, by data or control."""
-  seen: Set[tf.Operation] = set()
-  stack = [op for op in roots if op in within]
-  while stack:
-    op = stack.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    stack.extend(t.op for t in op.inputs if t.op in within)
-    stack.extend(c for c in op.control_inputs if c in within)
-  return seen
 
 
 def _ops(items: List[object]) -> Iterator[tf.Operation]:

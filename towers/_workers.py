@@ -3,32 +3,21 @@
 With ``build_towers(..., num_workers=W)`` every worker task (a process with
 its own ``tf.train.Server``, between-graph replication) builds the same
 graph over its own devices, ``/job:<job>/task:<k>/...``. Its tower devices
-are registered here, per graph, with the number of workers; a collective
+are recorded in the graph's state with the number of workers; a collective
 over them (the gradients' all-reduce, a synchronized batch norm's sums) then
-has one member per tower device of *every* worker: the same device on tasks
-``0..W-1`` of the job. Each worker builds only its own members; TensorFlow's
-runtime joins them through the group leader (task 0, named in
+has one member per tower device of *every* worker (`_collectives`). Each
+worker builds only its own members; TensorFlow's runtime joins them through
+the group leader (task 0, named in
 ``ConfigProto.experimental.collective_group_leader``).
-
-The group key names the group's members, not the order groups were made
-in: every worker computes the same key for the cross-worker group, and a
-group of one worker's devices only (which the leader also resolves) never
-takes another worker's key.
 """
 
 import numbers
-import weakref
-import zlib
-from typing import Dict, List, Sequence, Tuple
+from typing import Sequence
 
 import tensorflow.compat.v1 as tf
 
 from towers import _devices
-
-# Per graph: (the number of workers, this worker's tower devices).
-_REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Per graph: group key -> its members (to keep keys distinct).
-_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from towers import _state
 
 
 def check(num_workers: object, devices: Sequence[str],
@@ -95,9 +84,11 @@ def register(devices: Sequence[str], num_workers: int) -> None:
   """
   if num_workers == 1:
     return
-  graph = tf.get_default_graph()
+  state = _state.of()
   mine = (num_workers, tuple(_devices.canonical(d) for d in devices))
-  registered = _REGISTRY.setdefault(graph, mine)
+  if state.num_workers == 1:
+    state.num_workers, state.worker_devices = mine
+  registered = (state.num_workers, state.worker_devices)
   if registered != mine:
     raise ValueError(
         "this graph's towers were already built as one of %d workers on "
@@ -110,38 +101,10 @@ def register(devices: Sequence[str], num_workers: int) -> None:
 def count() -> int:
   """The number of workers the default graph's collectives span (1 unless
   `register` made it one of several)."""
-  return _REGISTRY.get(tf.get_default_graph(), (1, ()))[0]
+  return _state.of().num_workers
 
 
 def home() -> str:
   """This worker's first tower device (where a gradient shared by its
   towers is all-reduced with the other workers); only with workers."""
-  return _REGISTRY[tf.get_default_graph()][1][0]
-
-
-def _peers(device: str, num_workers: int) -> List[str]:
-  """`device` on each of the `num_workers` tasks of its job, task 0 first."""
-  spec = tf.DeviceSpec.from_string(_devices.canonical(device))
-  return [spec.replace(task=k).to_string() for k in range(num_workers)]
-
-
-def group(devices: Sequence[str]) -> Tuple[int, int]:
-  """``(group_size, group_key)`` of a collective over `devices`: theirs,
-  or, in a worker's graph, theirs on every worker."""
-  workers = count()
-  everyone = [_devices.canonical(d) for d in devices] if workers == 1 else [
-      p for d in devices for p in _peers(d, workers)]
-  return len(everyone), _group_key(everyone)
-
-
-def _group_key(devices: Sequence[str]) -> int:
-  """The collective group key of exactly `devices`: derived from their
-  names, whatever their order, so every worker derives the same one; kept
-  distinct from the other groups of the default graph."""
-  names = tuple(sorted(_devices.canonical(d) for d in devices))
-  keys: Dict[int, Tuple[str, ...]] = _KEYS.setdefault(
-      tf.get_default_graph(), {})
-  key = zlib.crc32(",".join(names).encode()) & 0x3FFFFFFF
-  while keys.setdefault(key + 1, names) != names:
-    key += 1
-  return key + 1
+  return _state.of().worker_devices[0]

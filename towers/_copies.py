@@ -22,39 +22,22 @@ are made to read copy ``i`` instead (`read_copies`).
 """
 
 import contextlib
-import weakref
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import tensorflow.compat.v1 as tf
 
 from towers import _replay
+from towers import _state
 
 PREFIX = "replica_%d/"
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
 
-# Per graph: copy op name -> (copy 0, index), and (copy 0 op name, index) ->
-# copy.
-_REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Per graph: (local variable, the global variable it is set from): the
-# copies and their optimizer slots.
-_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Per graph: copy index -> {name of copy 0's averaged gradient: the copy's}.
-_AVERAGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Per graph: the id of the last op that existed when gradients were first
-# averaged; what the averaged gradients go through was made after it.
-_AVERAGED_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def sources() -> List[Tuple[tf.Variable, tf.Variable]]:
   """Every copy and copy's slot of the default graph, each with the
   variable of copy 0 it is set from (its primary, or the primary's slot)."""
-  return list(_SOURCES.get(tf.get_default_graph(), []))
-
-
-def _tables(graph: tf.Graph) -> Tuple[Dict[str, Tuple[tf.Variable, int]],
-                                      Dict[Tuple[str, int], tf.Variable]]:
-  return _REGISTRY.setdefault(graph, ({}, {}))
+  return list(_state.of().sources)
 
 
 def primary_of(var) -> Optional[Tuple[tf.Variable, int]]:
@@ -62,12 +45,12 @@ def primary_of(var) -> Optional[Tuple[tf.Variable, int]]:
   op = getattr(var, "op", None)
   if op is None:
     return None
-  return _tables(op.graph)[0].get(op.name)
+  return _state.of(op.graph).primary_of.get(op.name)
 
 
 def copy_of(var: tf.Variable, index: int) -> Optional[tf.Variable]:
   """Returns copy `index` of `var` (copy 0), or None if it has none."""
-  return _tables(var.graph)[1].get((var.op.name, index))
+  return _state.of(var.graph).copy_of.get((var.op.name, index))
 
 
 @contextlib.contextmanager
@@ -114,10 +97,10 @@ def _copy(next_getter, primary: tf.Variable, index: int,
         collections=[tf.GraphKeys.LOCAL_VARIABLES], partitioner=None,
         caching_device=None, validate_shape=True,
         use_resource=primary.op.type == "VarHandleOp")
-  copies, by_primary = _tables(copy.graph)
-  copies[copy.op.name] = (primary, index)
-  by_primary[(primary.op.name, index)] = copy
-  _SOURCES.setdefault(copy.graph, []).append((copy, primary))
+  state = _state.of(copy.graph)
+  state.primary_of[copy.op.name] = (primary, index)
+  state.copy_of[(primary.op.name, index)] = copy
+  state.sources.append((copy, primary))
   return copy
 
 
@@ -164,33 +147,44 @@ def copies_of(var: tf.Variable) -> List[tf.Variable]:
     copies.append(copy)
 
 
+def record_all_reduce(variables: List[tf.Variable], algorithm: str) -> None:
+  """Records the all-reduce that keeps the copies of `variables` equal."""
+  state = _state.of()
+  for var in variables:
+    state.all_reduce[var.op.name] = algorithm
+
+
+def all_reduce_of(var: tf.Variable) -> Optional[str]:
+  """The all-reduce the copies of `var` (copy 0) were built with, or None."""
+  return _state.of(var.graph).all_reduce.get(var.op.name)
+
+
 def record_averaged(pairs: List[Tuple[tf.Tensor, int, tf.Tensor]]) -> None:
   """Records averaged gradients: ``(copy 0's, index, copy index's)`` for
   each copy's that is a tensor of its own, on the copy's device."""
-  graph = tf.get_default_graph()
-  if graph not in _AVERAGED_AT:
-    _AVERAGED_AT[graph] = _replay.last_op_id()
-  table = _AVERAGED.setdefault(graph, {})
+  state = _state.of()
+  if state.averaged_at is None:
+    state.averaged_at = _replay.last_op_id()
   for grad, index, copy_grad in pairs:
-    table.setdefault(index, {})[grad.name] = copy_grad
+    state.averaged.setdefault(index, {})[grad.name] = copy_grad
 
 
 def averaged_at() -> int:
   """The id of the last op that existed when gradients were first averaged
   (their transformation comes after it); without an average, the last op's."""
-  return _AVERAGED_AT.get(tf.get_default_graph()) or _replay.last_op_id()
+  return _state.of().averaged_at or _replay.last_op_id()
 
 
 def stand_ins(index: int) -> Dict[str, tf.Tensor]:
   """What copy `index` uses where copy 0 uses a tensor: tensor name -> the
   copy's tensor, for the averaged gradients and the variables' own tensors
   (a resource handle; a ref variable and its snapshot)."""
-  graph = tf.get_default_graph()
-  result = dict(_AVERAGED.get(graph, {}).get(index, {}))
-  for (_, i), copy in _tables(graph)[1].items():
+  state = _state.of()
+  result = dict(state.averaged.get(index, {}))
+  for (_, i), copy in state.copy_of.items():
     if i != index:
       continue
-    primary = _tables(graph)[0][copy.op.name][0]
+    primary = state.primary_of[copy.op.name][0]
     result[primary.op.outputs[0].name] = copy.op.outputs[0]
     if primary.op.type != "VarHandleOp":
       result[primary.value().name] = copy.value()
@@ -250,7 +244,8 @@ def local_slots() -> Iterator[None]:
   ``<var>/<slot>``, created first because copy 0's pairs come first.
   """
   graph = tf.get_default_graph()
-  copies = _tables(graph)[0]
+  state = _state.of(graph)
+  copies = state.primary_of
   # Global variables by name, refreshed on a miss: copy 0's slots are made
   # inside the same apply_gradients call, just before the copies'.
   by_name: Dict[str, tf.Variable] = {}
@@ -283,7 +278,7 @@ def local_slots() -> Iterator[None]:
       kwargs["collections"] = [tf.GraphKeys.LOCAL_VARIABLES]
       kwargs["trainable"] = False
       made = next_creator(**kwargs)
-      _SOURCES.setdefault(graph, []).append((made, slot))
+      state.sources.append((made, slot))
       return made
     return next_creator(**kwargs)
 

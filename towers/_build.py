@@ -1,26 +1,22 @@
 """Building the towers: one model replica per device, variables shared."""
 
 import collections
-import contextlib
 from typing import Callable, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
 from towers import _apply
-from towers import _context
+from towers import _copies
 from towers import _device_check
 from towers import _devices
-from towers import _gradients
 from towers import _inputs
 from towers import _isolation
-from towers import _names
 from towers import _placement
 from towers import _precision
 from towers import _regularization
 from towers import _replay
-from towers import _replicas
-from towers import _staging
+from towers import _tower_loop
 from towers import _updates
 from towers import _workers
 
@@ -32,8 +28,7 @@ Towers.__doc__ = """What `build_towers` built.
 
 Fields:
   losses: ``[num_towers]`` scalar loss tensors, one per tower.
-  loss: the towers' losses averaged with `weights`: the global batch's loss,
-    the one to log.
+  loss: the towers' losses averaged with `weights`: the global batch's.
   tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
     ``opt.compute_gradients`` result.
   weights: ``[num_towers]`` shares of the global batch, Python floats or
@@ -46,20 +41,17 @@ Fields:
   outputs: ``[num_towers]`` of what `model_fn` returned beside its loss
     (None where it returned the loss alone).
   grads_and_vars: from `minimize`, the averaged (and clipped) ``(grad, var)``
-    list it applied (copy 0's, when replicated), for histograms; None from
-    `build_towers`.
-  all_reduce: the all-reduce algorithm replicated towers use (``"add_n"``,
-    ``"ring"`` or ``"collective"``, ``"auto"`` resolved); None when the
-    towers share one copy of each variable.
-  loss_scale: from `minimize` with loss scaling, the scale the step's losses
-    were multiplied by (a scalar float32 tensor, to log); else None.
+    list it applied (copy 0's, when replicated); else None.
+  all_reduce: replicated towers' all-reduce (``"auto"`` resolved to
+    ``"add_n"``, ``"ring"`` or ``"collective"``); None when shared.
+  loss_scale: from `minimize` with loss scaling, the scale (a scalar float32
+    tensor, to log); else None.
   batch_size: the global batch's number of examples (this worker's): a
     Python float when static, a scalar float32 tensor when known only at
     run time, None when `model_fn` reads its own inputs.
   applies: from `minimize`, a scalar bool tensor: whether the next run of
     the train op applies an update (every k-th with `accumulate_steps=k`;
-    fetched with the train op, whether that run does). None from
-    `build_towers`.
+    fetched with the train op, whether that run does); else None.
 """
 
 
@@ -81,7 +73,7 @@ def build_towers(model_fn: Callable[..., object],
   Tower ``i`` is built under ``devices[i]`` and ``tf.name_scope('tower_i')``
   reusing tower 0's variables, and runs ``opt.compute_gradients``; the
   losses are checked, and ``opt.apply_gradients`` is routed to
-  `apply_gradients`. The long form of each argument is in docs/api.md.
+  `apply_gradients`. Each argument's long form: docs/api.md.
 
   Args:
     model_fn: ``model_fn(scope, *batch)`` -> loss, or ``(loss, outputs)``.
@@ -104,8 +96,7 @@ def build_towers(model_fn: Callable[..., object],
   Raises:
     RuntimeError: under eager execution.
     TypeError: for arguments or losses of the wrong type.
-    ValueError: for bad values or towers that would train silently wrong,
-      naming the culprit and the fix.
+    ValueError: for bad values, or towers that would train silently wrong.
   """
   num_gpus = _devices.check_count("num_gpus", num_gpus)
   if not callable(model_fn):
@@ -124,11 +115,11 @@ def build_towers(model_fn: Callable[..., object],
   # The seed's opt.apply_gradients(...) then updates every copy.
   _apply.route(opt)
   if num_workers != 1:
-    mine = _check_devices(devices, num_gpus)
+    mine = _tower_loop.check_devices(devices, num_gpus)
     num_workers = _workers.check(num_workers, mine, replicated, all_reduce)
     _workers.register(mine, num_workers)
   if replicated:
-    devices = _check_devices(devices, num_gpus)
+    devices = _tower_loop.check_devices(devices, num_gpus)
     all_reduce = _allreduce.resolve(all_reduce, devices)
   first_vars: List[tf.Variable] = []
 
@@ -140,7 +131,7 @@ def build_towers(model_fn: Callable[..., object],
     _updates.collect(made_by_model, scope, loss, output)
     if replicated and index > 0:
       # A Keras model's variables, which tf.get_variable did not copy.
-      _replicas.read_copies(index, devices[index], scope, made_by_model)
+      _copies.read_copies(index, devices[index], scope, made_by_model)
     # Weight decay's ops next to their variables, not on the tower (a
     # replicated tower's copies are on its own device already).
     terms = {} if replicated else _regularization.place(loss, batch, scope)
@@ -157,7 +148,7 @@ def build_towers(model_fn: Callable[..., object],
     if index > 0 and replicated:
       kwargs = dict(compute_gradients_kwargs)
       kwargs.pop("var_list", None)
-      grads = _replicas.tower_gradients(opt, loss, first_vars, index,
+      grads = _copies.tower_gradients(opt, loss, first_vars, index,
                                         **kwargs)
     else:
       grads = opt.compute_gradients(loss, **compute_gradients_kwargs)
@@ -167,10 +158,13 @@ def build_towers(model_fn: Callable[..., object],
 
   regularization = tf.get_collection_ref(tf.GraphKeys.REGULARIZATION_LOSSES)
   known = len(regularization)
-  built = run_towers(tower, num_gpus, inputs=inputs, devices=devices,
-                     variable_device=variable_device, tower_name=tower_name,
-                     compute_dtype=compute_dtype, stage_inputs=stage_inputs)
+  built = _tower_loop.build_each_tower(
+      tower, num_gpus, inputs=inputs, devices=devices,
+      variable_device=variable_device, tower_name=tower_name,
+      compute_dtype=compute_dtype, stage_inputs=stage_inputs)
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
+  if replicated:
+    _copies.record_all_reduce([v for _, v in tower_grads[0]], all_reduce)
   _isolation.check_losses(losses, built.scopes, built.batches,
                           created=regularization[known:])
   with tf.name_scope("%s_loss" % tower_name):
@@ -183,132 +177,6 @@ def build_towers(model_fn: Callable[..., object],
                 outputs=list(outputs), grads_and_vars=None,
                 all_reduce=all_reduce if replicated else None,
                 loss_scale=None, batch_size=built.batch_size, applies=None)
-
-
-Built = collections.namedtuple("Built", [
-    "results", "scopes", "devices", "batches", "weights", "device_check",
-    "batch_size"])
-
-
-def run_towers(tower_fn: Callable[[int, str, List[object],
-                                    Optional[tf.Operation]], object],
-               num_towers: int, *, inputs: _inputs.Inputs,
-               devices: Optional[Sequence[str]],
-               variable_device: _placement.VariableDevice,
-               tower_name: str, allow_empty: bool = False,
-               compute_dtype: _precision.ComputeDtype = None,
-               stage_inputs: bool = False) -> Built:
-  """Calls ``tower_fn(index, scope, batch, check)`` once in each tower.
-
-  The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
-  built under its device function and ``tf.name_scope('tower_i')`` inside
-  the caller's variable scope, reusing tower 0's variables; `batch` is the
-  list of arguments its model function takes after the scope; `check` is
-  the towers' `_device_check` (None where none is needed), which what the
-  tower computes must wait for. The caller's name scope is kept as it is
-  (``model/tower_0/``, not ``model/model/``).
-
-  With `compute_dtype`, `tower_fn` runs under `_precision.master_weights`;
-  with `stage_inputs`, every tower's batch is read first, tower after tower,
-  and the towers are built on the staged batches (`_staging.stage`).
-
-  Returns:
-    A `Built`: ``[num_towers]`` results of `tower_fn`, the scopes, the
-    devices, each tower's share of the global batch, the device check and
-    the global batch's size.
-
-  Raises:
-    RuntimeError: under eager execution.
-    TypeError, ValueError: for bad devices or inputs, or a tower after the
-      first that creates a trainable variable.
-  """
-  if tf.executing_eagerly():
-    raise RuntimeError(
-        "towers builds graphs, but eager execution is on (the TensorFlow 2 "
-        "default): call tf.compat.v1.disable_eager_execution() (or "
-        "tf.compat.v1.disable_v2_behavior()) at the start of your program, "
-        "or build inside `with tf.Graph().as_default():`")
-  devices = _check_devices(devices, num_towers)
-  compute_dtype = _precision.check_compute_dtype(compute_dtype)
-  if stage_inputs and inputs is None:
-    raise ValueError("stage_inputs=True stages the towers' inputs, but "
-                     "inputs is None (model_fn reads its own); pass inputs "
-                     "(a batch or a callable such as iterator.get_next)")
-  placer = _placement.variable_placer(variable_device, devices)
-  replicated = variable_device == _placement.REPLICATED
-  shards, weights = None, None
-  if inputs is not None and not callable(inputs):
-    shards, weights = _inputs.split_inputs(inputs, num_towers,
-                                           allow_empty=allow_empty)
-  # A staged batch is sized from what was staged, as a callable's is.
-  sized = callable(inputs) or stage_inputs
-  # The towers' name scopes; staging opens them first, to read the batches,
-  # and the towers re-enter them.
-  names = ["%s_%d" % (tower_name, i) for i in range(num_towers)]
-  staged = None
-  if stage_inputs:
-    names, staged = _read_staged(inputs, shards, devices, placer, names)
-    weights = None
-  trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
-  check = _device_check.build(devices, placer, "%s_device_check" % tower_name)
-  group = _context.Group(devices, uniform=not sized and (
-      weights is None or _gradients.is_uniform(weights)), device_check=check)
-  results, scopes, batches, sizes = [], [], [], []
-  outer = tf.get_variable_scope()
-  requested: List[str] = []
-  for i, device in enumerate(devices):
-    known = len(trainable)
-    copies = _replicas.tower_copies(i, device) if replicated \
-        else contextlib.nullcontext()
-    with _names.tower_variable_scope(
-        outer, i, names[i].rstrip("/"), requested), \
-        _placement.tower_placement(device, placer), copies, \
-        tf.name_scope(names[i]) as scope, _names.single_device_names(scope, i):
-      batch = staged[i] if staged else _inputs.tower_batch(inputs, shards, i)
-      size = _inputs.batch_size(batch) if sized else None
-      sizes.append(size)
-      # The tower's share of the global batch, for the gradient of its
-      # cross-tower sums: its weight, or for a callable input its batch
-      # size (the weight times the same factor in every tower).
-      share = weights[i] if weights is not None else (
-          1.0 if size is None else size)
-      with group.tower(i, scope, share), \
-          _precision.master_weights(compute_dtype):
-        results.append(tower_fn(i, scope, batch, check))
-      if i > 0 and len(trainable) > known:
-        raise _unshared_variable_error(trainable[known], scope)
-    scopes.append(scope)
-    batches.append(batch)
-  group.check_complete()
-  if weights is None:
-    weights = _inputs.size_weights(sizes) if sized else [
-        1.0 / num_towers] * num_towers
-  return Built(results=results, scopes=scopes, devices=devices,
-               batches=batches, weights=weights, device_check=check,
-               batch_size=_inputs.total_size(inputs, sizes))
-
-
-def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
-                 devices: List[str], placer: _placement.DeviceFn,
-                 names: List[str]):
-  """Reads every tower's batch in its scope, in tower order, and stages it.
-
-  Returns the towers' name scopes (the towers are built in them afterwards)
-  and their staged batches.
-  """
-  scopes: List[str] = []
-  batches: List[List[object]] = []
-  previous: List[tf.Tensor] = []
-  for i, (device, name) in enumerate(zip(devices, names)):
-    # A callable is read tower after tower, so tower i gets the i-th batch.
-    with _placement.tower_placement(device, placer), \
-        tf.name_scope(name) as scope, \
-        tf.control_dependencies(previous):
-      batch = _inputs.tower_batch(inputs, shards, i)
-    previous = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
-    scopes.append(scope)
-    batches.append(batch)
-  return scopes, _staging.stage(batches, devices, scopes)
 
 
 def _check_replicated(variable_device: _placement.VariableDevice,
@@ -329,30 +197,6 @@ def _check_replicated(variable_device: _placement.VariableDevice,
         "parameter servers; with parameter servers use variable_device="
         "tf.train.replica_device_setter(...) (one copy)")
   return replicated
-
-
-def _check_devices(devices: Optional[Sequence[str]],
-                   num_gpus: int) -> List[str]:
-  if devices is None:
-    return _devices.tower_devices(num_gpus)
-  if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
-    raise TypeError("expected devices to be a list of %d device strings, got "
-                    "%r" % (num_gpus, devices))
-  if len(devices) != num_gpus:
-    raise ValueError(
-        "expected one device per tower: num_gpus=%d but devices has %d "
-        "entries (%s); pass num_gpus=len(devices)"
-        % (num_gpus, len(devices), ", ".join(map(repr, devices))))
-  for d in devices:
-    if not isinstance(d, str):
-      raise TypeError("expected device strings such as '/gpu:0', got %r in "
-                      "devices" % (d,))
-    try:
-      tf.DeviceSpec.from_string(d)
-    except ValueError as e:
-      raise ValueError("devices holds %r, which is not a device string such "
-                       "as '/gpu:0': %s" % (d, e)) from None
-  return list(devices)
 
 
 def _check_result(result, scope: str):
@@ -393,15 +237,3 @@ def _check_result(result, scope: str):
         "expected model_fn to return a scalar loss, got shape %s in %s; did "
         "you forget tf.reduce_mean?" % (loss.shape.as_list(), tower))
   return loss, outputs
-
-
-def _unshared_variable_error(var: tf.Variable, scope: str) -> ValueError:
-  return ValueError(
-      "%s created the trainable variable %s, which tower 0 did not create: "
-      "the towers would not share it and only one tower would train it. "
-      "Create variables with tf.get_variable (or tf.compat.v1.layers) so "
-      "that variable_scope reuse shares them, not with tf.Variable or a "
-      "module built anew in every tower; a Keras layer or model makes new "
-      "weights on each call of model_fn that builds it: build it once, "
-      "outside model_fn, and call it in model_fn"
-      % (scope.rstrip("/"), var.name))

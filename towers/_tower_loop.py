@@ -1,0 +1,188 @@
+"""The tower loop: the recipe's loop over devices, shared by every builder.
+
+Tower ``i`` is built under its device function and ``tf.name_scope('tower_i')``
+inside the caller's variable scope, reusing tower 0's variables (replicated:
+its own copies), with its share of the batch, as the current tower of the
+tower context. `build_towers` and `infer` each say what a tower builds.
+"""
+
+import collections
+import contextlib
+from typing import Callable, List, Optional, Sequence
+
+import tensorflow.compat.v1 as tf
+
+from towers import _context
+from towers import _copies
+from towers import _device_check
+from towers import _devices
+from towers import _inputs
+from towers import _names
+from towers import _placement
+from towers import _precision
+from towers import _reduction
+from towers import _replay
+from towers import _staging
+
+
+BuiltTowers = collections.namedtuple("BuiltTowers", [
+    "results", "scopes", "devices", "batches", "weights", "device_check",
+    "batch_size"])
+
+
+def build_each_tower(tower_fn: Callable[[int, str, List[object],
+                                          Optional[tf.Operation]], object],
+                     num_towers: int, *, inputs: _inputs.Inputs,
+                     devices: Optional[Sequence[str]],
+                     variable_device: _placement.VariableDevice,
+                     tower_name: str, allow_empty: bool = False,
+                     compute_dtype: _precision.ComputeDtype = None,
+                     stage_inputs: bool = False) -> BuiltTowers:
+  """Calls ``tower_fn(index, scope, batch, check)`` once in each tower.
+
+  The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
+  built under its device function and ``tf.name_scope('tower_i')`` inside
+  the caller's variable scope, reusing tower 0's variables; `batch` is the
+  list of arguments its model function takes after the scope; `check` is
+  the towers' `_device_check` (None where none is needed), which what the
+  tower computes must wait for. The caller's name scope is kept as it is
+  (``model/tower_0/``, not ``model/model/``).
+
+  With `compute_dtype`, `tower_fn` runs under `_precision.master_weights`;
+  with `stage_inputs`, every tower's batch is read first, tower after tower,
+  and the towers are built on the staged batches (`_staging.stage`).
+
+  Returns:
+    A `BuiltTowers`: ``[num_towers]`` results of `tower_fn`, the scopes, the
+    devices, each tower's share of the global batch, the device check and
+    the global batch's size.
+
+  Raises:
+    RuntimeError: under eager execution.
+    TypeError, ValueError: for bad devices or inputs, or a tower after the
+      first that creates a trainable variable.
+  """
+  if tf.executing_eagerly():
+    raise RuntimeError(
+        "towers builds graphs, but eager execution is on (the TensorFlow 2 "
+        "default): call tf.compat.v1.disable_eager_execution() (or "
+        "tf.compat.v1.disable_v2_behavior()) at the start of your program, "
+        "or build inside `with tf.Graph().as_default():`")
+  devices = check_devices(devices, num_towers)
+  compute_dtype = _precision.check_compute_dtype(compute_dtype)
+  if stage_inputs and inputs is None:
+    raise ValueError("stage_inputs=True stages the towers' inputs, but "
+                     "inputs is None (model_fn reads its own); pass inputs "
+                     "(a batch or a callable such as iterator.get_next)")
+  placer = _placement.variable_placer(variable_device, devices)
+  replicated = variable_device == _placement.REPLICATED
+  shards, weights = None, None
+  if inputs is not None and not callable(inputs):
+    shards, weights = _inputs.split_inputs(inputs, num_towers,
+                                           allow_empty=allow_empty)
+  # A staged batch is sized from what was staged, as a callable's is.
+  sized = callable(inputs) or stage_inputs
+  # The towers' name scopes; staging opens them first, to read the batches,
+  # and the towers re-enter them.
+  names = ["%s_%d" % (tower_name, i) for i in range(num_towers)]
+  staged = None
+  if stage_inputs:
+    names, staged = _read_staged(inputs, shards, devices, placer, names)
+    weights = None
+  trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
+  check = _device_check.build(devices, placer, "%s_device_check" % tower_name)
+  tower_set = _context.TowerSet(devices, uniform=not sized and (
+      weights is None or _reduction.is_uniform(weights)), device_check=check)
+  start = _replay.last_op_id()
+  results, scopes, batches, sizes = [], [], [], []
+  outer = tf.get_variable_scope()
+  requested: List[str] = []
+  for i, device in enumerate(devices):
+    known = len(trainable)
+    copies = _copies.tower_copies(i, device) if replicated \
+        else contextlib.nullcontext()
+    with _names.tower_variable_scope(
+        outer, i, names[i].rstrip("/"), requested), \
+        _placement.tower_placement(device, placer), copies, \
+        tf.name_scope(names[i]) as scope, _names.single_device_names(scope, i):
+      batch = staged[i] if staged else _inputs.tower_batch(inputs, shards, i)
+      size = _inputs.batch_size(batch) if sized else None
+      sizes.append(size)
+      # The tower's share of the global batch, for the gradient of its
+      # cross-tower sums: its weight, or for a callable input its batch
+      # size (the weight times the same factor in every tower).
+      share = weights[i] if weights is not None else (
+          1.0 if size is None else size)
+      with tower_set.tower(i, scope, share), \
+          _precision.master_weights(compute_dtype):
+        results.append(tower_fn(i, scope, batch, check))
+      if i > 0 and len(trainable) > known:
+        raise _unshared_variable_error(trainable[known], scope)
+    scopes.append(scope)
+    batches.append(batch)
+  tower_set.finish(start)
+  if weights is None:
+    weights = _inputs.size_weights(sizes) if sized else [
+        1.0 / num_towers] * num_towers
+  return BuiltTowers(results=results, scopes=scopes, devices=devices,
+                     batches=batches, weights=weights, device_check=check,
+                     batch_size=_inputs.total_size(inputs, sizes))
+
+
+def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
+                 devices: List[str], placer: _placement.DeviceFn,
+                 names: List[str]):
+  """Reads every tower's batch in its scope, in tower order, and stages it.
+
+  Returns the towers' name scopes (the towers are built in them afterwards)
+  and their staged batches.
+  """
+  scopes: List[str] = []
+  batches: List[List[object]] = []
+  previous: List[tf.Tensor] = []
+  for i, (device, name) in enumerate(zip(devices, names)):
+    # A callable is read tower after tower, so tower i gets the i-th batch.
+    with _placement.tower_placement(device, placer), \
+        tf.name_scope(name) as scope, \
+        tf.control_dependencies(previous):
+      batch = _inputs.tower_batch(inputs, shards, i)
+    previous = [t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)]
+    scopes.append(scope)
+    batches.append(batch)
+  return scopes, _staging.stage(batches, devices, scopes)
+
+
+def check_devices(devices: Optional[Sequence[str]],
+                   num_gpus: int) -> List[str]:
+  if devices is None:
+    return _devices.tower_devices(num_gpus)
+  if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+    raise TypeError("expected devices to be a list of %d device strings, got "
+                    "%r" % (num_gpus, devices))
+  if len(devices) != num_gpus:
+    raise ValueError(
+        "expected one device per tower: num_gpus=%d but devices has %d "
+        "entries (%s); pass num_gpus=len(devices)"
+        % (num_gpus, len(devices), ", ".join(map(repr, devices))))
+  for d in devices:
+    if not isinstance(d, str):
+      raise TypeError("expected device strings such as '/gpu:0', got %r in "
+                      "devices" % (d,))
+    try:
+      tf.DeviceSpec.from_string(d)
+    except ValueError as e:
+      raise ValueError("devices holds %r, which is not a device string such "
+                       "as '/gpu:0': %s" % (d, e)) from None
+  return list(devices)
+
+
+def _unshared_variable_error(var: tf.Variable, scope: str) -> ValueError:
+  return ValueError(
+      "%s created the trainable variable %s, which tower 0 did not create: "
+      "the towers would not share it and only one tower would train it. "
+      "Create variables with tf.get_variable (or tf.compat.v1.layers) so "
+      "that variable_scope reuse shares them, not with tf.Variable or a "
+      "module built anew in every tower; a Keras layer or model makes new "
+      "weights on each call of model_fn that builds it: build it once, "
+      "outside model_fn, and call it in model_fn"
+      % (scope.rstrip("/"), var.name))
