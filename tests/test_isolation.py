@@ -161,6 +161,68 @@ def test_weight_decay_taken_out_of_the_collection_is_left_out_on_purpose():
   _assert_one_device_gradient(model, 0.0)
 
 
+def _per_call_model(activity, held=None):
+  """A model whose every call adds a regularization loss of its own, as an
+  activity regularizer or a replicated tf.layers layer does: the weight's
+  L2 loss, or an activity regularizer of the tower's logits. With `held`,
+  its loss also sums what earlier calls added there."""
+
+  def model(scope, x, y):
+    del scope
+    w = tf.get_variable("w", initializer=np.ones((6, 3), np.float32))
+    logits = tf.matmul(x, w)
+    decay = 0.1 * tf.reduce_mean(tf.square(logits)) if activity else \
+        DECAY * tf.nn.l2_loss(w)
+    tf.add_to_collection(tf.GraphKeys.REGULARIZATION_LOSSES, decay)
+    ce = tf.losses.sparse_softmax_cross_entropy(y, logits)
+    if held is None:
+      return ce + tf.losses.get_regularization_loss()
+    held.append(decay)
+    return ce + tf.add_n(held)
+
+  return model
+
+
+@pytest.mark.parametrize("variable_device", ["cpu", "replicated"])
+@pytest.mark.parametrize("activity", [False, True],
+                         ids=["weight", "activity"])
+def test_a_regularization_loss_every_call_adds_counts_once_in_each_tower(
+    activity, variable_device):
+  # Each tower's own stands in for tower 0's in that tower's collection,
+  # and the collection is one device's once the towers are built.
+  model = _per_call_model(activity)
+  x, y = batch(8)
+  with tf.Graph().as_default() as g:
+    loss = model(None, tf.constant(x), tf.constant(y))
+    [want] = tf.gradients(loss, tf.trainable_variables())
+    with session(g) as sess:
+      sess.run(tf.global_variables_initializer())
+      want = sess.run(want)
+  with tf.Graph().as_default() as g:
+    t = towers.build_towers(model, _sgd(), 2, inputs=_split(8)[2],
+                            devices=devices(2),
+                            variable_device=variable_device)
+    [(grad, _)] = towers.average_gradients(t.tower_grads, t.weights)
+    [kept] = tf.get_collection(tf.GraphKeys.REGULARIZATION_LOSSES)
+    assert kept.op.name.startswith("tower_0/")
+    with session(g) as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(tf.local_variables_initializer())
+      got = sess.run(grad)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_tower_that_counts_tower_0s_regularization_again_is_refused():
+  # Tower 1's loss sums tower 0's weight decay and its own.
+  model = _per_call_model(activity=False, held=[])
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=r"different regularization losses: "
+                       r"tower_1's includes tower_0/mul more often than "
+                       r"tower_0's"):
+      towers.build_towers(model, _sgd(), 2, inputs=_split(8)[2],
+                          devices=devices(2))
+
+
 def test_an_input_pipeline_built_inside_the_first_tower_may_be_shared():
   # The iterator is tower 0's op, but later towers read only its handle.
   x, y = batch(8)

@@ -156,8 +156,6 @@ def build_towers(model_fn: Callable[..., object],
     _regularization.split(grads, made, terms)
     return loss, output, grads, update_ops, summaries
 
-  regularization = tf.get_collection_ref(tf.GraphKeys.REGULARIZATION_LOSSES)
-  known = len(regularization)
   built = _tower_loop.build_each_tower(
       tower, num_gpus, inputs=inputs, devices=devices,
       variable_device=variable_device, tower_name=tower_name,
@@ -166,7 +164,7 @@ def build_towers(model_fn: Callable[..., object],
   if replicated:
     _copies.record_all_reduce([v for _, v in tower_grads[0]], all_reduce)
   _isolation.check_losses(losses, built.scopes, built.batches,
-                          created=regularization[known:])
+                          added=built.regularization_losses)
   with tf.name_scope("%s_loss" % tower_name):
     mean_loss = tf.add_n([loss * tf.cast(w, loss.dtype)
                           for loss, w in zip(losses, built.weights)])

@@ -12,11 +12,13 @@ found in the graph once the towers are built:
   its name scope. Ops computed from variables and constants alone, such as
   a regularization loss tower 0 created with the variables, are shared by
   design and allowed.
-- Towers whose losses include different regularization losses. A
+- Towers whose losses count the regularization losses differently. A
   regularizer runs once, when tower 0 creates the variable, so a loss that
-  sums its own scope's collection counts it in tower 0 only. A Keras
-  model's weight regularizers (``model.losses``) are built
-  anew wherever they are read, so they are compared by the weight.
+  sums its own scope's collection counts it in tower 0 only; one that also
+  sums what an earlier tower added counts it twice. The losses are compared
+  by a name that is the same in every tower (`_Entries`); a Keras model's
+  weight regularizers (``model.losses``), built anew wherever they are
+  read, by the weight.
 - A regularization loss the towers created that no tower's loss reads:
   ``tf.get_variable(..., regularizer=...)`` makes it beside the variable,
   outside every tower's name scope, so the tutorial's
@@ -29,11 +31,13 @@ queue is shared state, not a tower's data.
 
 import collections
 import re
-from typing import Dict, List, Sequence, Set
+from typing import Counter as CountsOf
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import tensorflow.compat.v1 as tf
 
 from towers import _placement
+from towers import _regularization_view
 
 # Stateful ops that read a variable: computed from the variable, not data.
 _VARIABLE_READS = frozenset([
@@ -54,17 +58,18 @@ _FIX = ("Build each tower's loss from its own tensors: "
 
 def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
                  batches: Sequence[object],
-                 created: Sequence[object] = ()) -> None:
+                 added: Sequence[Sequence[object]] = ()) -> None:
   """Raises if a tower's loss reads another tower's data, if the towers'
-  losses include different regularization losses, or if one of `created`
-  reaches no tower's loss.
+  losses count the regularization losses differently, or if one tower 0
+  added reaches no tower's loss.
 
   Args:
     losses: ``[num_towers]`` scalar losses.
     scopes: ``[num_towers]`` name scopes (``'tower_0/'``, ...).
     batches: ``[num_towers]`` of what each tower's model function was given
       (nested structures of tensors; empty where it built its own input).
-    created: the regularization losses added while the towers were built.
+    added: ``[num_towers]`` lists of the regularization losses each tower
+      added (`_regularization_view`).
 
   Raises:
     ValueError: naming the tower, the foreign op or regularization loss, and
@@ -81,13 +86,9 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
                for t in op.outputs]
     for op in descendants(starts):
       owners[op].append(j)
-  collected = tf.get_collection(tf.GraphKeys.REGULARIZATION_LOSSES)
-  regularization = _regularization_keys(collected)
-  # The collection's own ops; the rest of a weight's regularizer ops are
-  # Keras's (model.losses).
-  in_collection = {op for loss in collected if isinstance(loss, tf.Tensor)
-                   for op in ancestors(loss.op)}
-  reached_regularization: List[Set[object]] = []
+  entries = _Entries(tf.get_collection(tf.GraphKeys.REGULARIZATION_LOSSES),
+                     added, scopes)
+  reads: List[CountsOf] = []
   for i, (loss, scope) in enumerate(zip(losses, scopes)):
     reached = ancestors(loss.op)
     foreign = [(op, j) for op in reached for j in owners.get(op, ())
@@ -105,30 +106,27 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
           "call's activity regularization? %s; for the Keras model, "
           "tf.add_n(model.get_losses_for(None) + model.get_losses_for("
           "inputs))" % (_tower(scope), _tower(scopes[owner]), op.name, _FIX))
-    reached_regularization.append(
-        ({_regularization_key(op) for op in reached} & set(regularization)) |
-        _regularized_weights(
-            [op for op in reached if op not in in_collection and
-             _regularization_key(op) not in regularization], scope))
+    reads.append(entries.read_by(reached, scope))
   for i in range(1, len(losses)):
     has, lacks = 0, i
-    extra = reached_regularization[0] - reached_regularization[i]
+    extra = reads[0] - reads[i]
     if not extra:
       has, lacks = i, 0
-      extra = reached_regularization[i] - reached_regularization[0]
+      extra = reads[i] - reads[0]
     if extra:
+      names = ", ".join(sorted(entries.names.get(k, str(k)) for k in extra))
+      if any(reads[lacks][k] for k in extra):
+        counted = "%s more often than %s's" % (names, _tower(scopes[lacks]))
+      else:
+        counted = "%s, %s's does not" % (names, _tower(scopes[lacks]))
       raise ValueError(
           "the towers' losses include different regularization losses: "
-          "%s's includes %s, %s's does not. A regularizer runs once, when "
-          "tower 0 creates the variable, so a loss that sums its own scope's "
-          "collection counts it in tower 0 only; a Keras model's "
-          "model.losses belongs in every tower's loss. %s"
-          % (_tower(scopes[has]),
-             ", ".join(sorted(regularization.get(k, str(k)) for k in extra)),
-             _tower(scopes[lacks]), _FIX))
-  made = _regularization_keys(created)
-  dropped = sorted(name for k, name in made.items()
-                   if k not in reached_regularization[0])
+          "%s's includes %s. A regularizer runs once, when tower 0 creates "
+          "the variable, so a loss that sums its own scope's collection "
+          "counts it in tower 0 only; a Keras model's model.losses belongs "
+          "in every tower's loss. %s" % (_tower(scopes[has]), counted, _FIX))
+  dropped = sorted(entries.names[k] for k in entries.keys_of(
+      added[0] if added else ()) if not reads[0][k])
   if dropped:
     raise ValueError(
         "no tower's loss reads the regularization losses %s, so training "
@@ -140,24 +138,60 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
         "tf.GraphKeys.REGULARIZATION_LOSSES)[:]" % (", ".join(dropped), _FIX))
 
 
-def _regularization_keys(losses: Sequence[object]) -> Dict[object, str]:
-  """{key: name} of regularization losses, keyed as `_regularization_key`.
+class _Entries:
+  """The regularization losses, each known by a key that is the same in
+  every tower: a loss tensor by its op's name within its tower's scope
+  (``fc/kernel/Regularizer/mul``, as `_regularization_view` lines them
+  up), ``tf.get_variable``'s lazy one by its scope ``<var>/Regularizer/``
+  (it builds its op anew, there, wherever it is used).
 
-  ``tf.get_variable`` keeps a resource variable's regularization loss as a
-  lazy tensor that builds its op anew, in the scope ``<var>/Regularizer/``,
-  wherever it is used: that one is known by its scope, the others by op.
+  Attributes:
+    names: {key: the name to show}, tower 0's where it has one.
   """
-  keys: Dict[object, str] = {}
-  for loss in losses:
+
+  def __init__(self, collected: Sequence[object],
+               added: Sequence[Sequence[object]],
+               scopes: Sequence[str]) -> None:
+    self._scopes = scopes
+    self._ops: Dict[tf.Operation, str] = {}
+    self._lazy: Set[object] = set()
+    self.names: Dict[object, str] = {}
+    for loss in list(collected) + [loss for tower in added for loss in tower]:
+      found = self._key(loss)
+      if found is not None:
+        self.names.setdefault(*found)
+    # The losses' own ops; the rest of a weight's regularizer ops are
+    # Keras's (model.losses).
+    self._in_losses = {a for op in self._ops for a in ancestors(op)}
+
+  def keys_of(self, losses: Iterable[object]) -> List[object]:
+    """The keys of `losses` (entries of the collection)."""
+    return [found[0] for found in map(self._key, losses) if found is not None]
+
+  def _key(self, loss: object) -> Optional[Tuple[object, str]]:
+    """`loss`'s key and the name to show for it; None if it has no op."""
     op = getattr(loss, "op", None)
     if not isinstance(op, tf.Operation):
-      continue
+      return None
     if isinstance(loss, tf.Tensor):
-      keys[op] = op.name
-    else:
-      key = _regularization_key(op)
-      keys[key] = key.rstrip("/") if isinstance(key, str) else op.name
-  return keys
+      within = (_regularization_view.name_within(loss, s)
+                for s in self._scopes)
+      return self._ops.setdefault(op, next(
+          (n for n in within if n is not None), op.name)), op.name
+    key = _regularization_key(op)
+    self._lazy.add(key)
+    return key, key.rstrip("/") if isinstance(key, str) else op.name
+
+  def read_by(self, reached: Sequence[tf.Operation], scope: str) -> CountsOf:
+    """How often a tower's loss, computed from `reached`, counts each
+    regularization loss (a Keras weight's by the weight, once)."""
+    counts: CountsOf = collections.Counter(
+        self._ops[op] for op in reached if op in self._ops)
+    counts.update({_regularization_key(op) for op in reached} & self._lazy)
+    counts.update(_regularized_weights(
+        [op for op in reached if op not in self._in_losses and
+         _regularization_key(op) not in self._lazy], scope))
+    return counts
 
 
 def _regularized_weights(reached: Sequence[tf.Operation],

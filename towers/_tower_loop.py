@@ -21,13 +21,14 @@ from towers import _names
 from towers import _placement
 from towers import _precision
 from towers import _reduction
+from towers import _regularization_view
 from towers import _replay
 from towers import _staging
 
 
 BuiltTowers = collections.namedtuple("BuiltTowers", [
     "results", "scopes", "devices", "batches", "weights", "device_check",
-    "batch_size"])
+    "batch_size", "regularization_losses"])
 
 
 def build_each_tower(tower_fn: Callable[[int, str, List[object],
@@ -42,7 +43,8 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
 
   The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
   built under its device function and ``tf.name_scope('tower_i')`` inside
-  the caller's variable scope, reusing tower 0's variables; `batch` is the
+  the caller's variable scope, reusing tower 0's variables, on its own view
+  of the regularization losses (`_regularization_view`); `batch` is the
   list of arguments its model function takes after the scope; `check` is
   the towers' `_device_check` (None where none is needed), which what the
   tower computes must wait for. The caller's name scope is kept as it is
@@ -54,8 +56,9 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
 
   Returns:
     A `BuiltTowers`: ``[num_towers]`` results of `tower_fn`, the scopes, the
-    devices, each tower's share of the global batch, the device check and
-    the global batch's size.
+    devices, each tower's share of the global batch, the device check, the
+    global batch's size and ``[num_towers]`` lists of the regularization
+    losses each tower added.
 
   Raises:
     RuntimeError: under eager execution.
@@ -94,7 +97,10 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   tower_set = _context.TowerSet(devices, uniform=not sized and (
       weights is None or _reduction.is_uniform(weights)), device_check=check)
   start = _replay.last_op_id()
-  results, scopes, batches, sizes = [], [], [], []
+  results, batches, sizes = [], [], []
+  scopes: List[str] = []
+  # The regularization losses each tower added.
+  added: List[List[object]] = []
   outer = tf.get_variable_scope()
   requested: List[str] = []
   for i, device in enumerate(devices):
@@ -113,9 +119,12 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
       # size (the weight times the same factor in every tower).
       share = weights[i] if weights is not None else (
           1.0 if size is None else size)
+      first = (scopes[0], added[0]) if i > 0 else ()
       with tower_set.tower(i, scope, share), \
-          _precision.master_weights(compute_dtype):
+          _precision.master_weights(compute_dtype), \
+          _regularization_view.tower(scope, *first) as kept:
         results.append(tower_fn(i, scope, batch, check))
+      added.append(kept)
       if i > 0 and len(trainable) > known:
         raise _unshared_variable_error(trainable[known], scope)
     scopes.append(scope)
@@ -126,7 +135,8 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
         1.0 / num_towers] * num_towers
   return BuiltTowers(results=results, scopes=scopes, devices=devices,
                      batches=batches, weights=weights, device_check=check,
-                     batch_size=_inputs.total_size(inputs, sizes))
+                     batch_size=_inputs.total_size(inputs, sizes),
+                     regularization_losses=added)
 
 
 def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
