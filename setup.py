@@ -34,7 +34,8 @@ setup(
         # no longer does; the range matches the TensorFlow range, and each of
         # TensorFlow 2.12-2.20 pins its own minor version.
         "tf": ["tensorflow>=2.12,<2.22", "tensorboard>=2.12,<2.22"],
-        "test": ["pytest>=7"],
+        # tf-slim: the tests train its layers' regularizers on towers.
+        "test": ["pytest>=7", "tf-slim>=1.1"],
         "bench": ["matplotlib"],
     },
     classifiers=[

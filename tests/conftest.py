@@ -67,25 +67,32 @@ def mnist_dir():
 
 
 @pytest.fixture(scope="session")
-def legacy_keras_run(pytestconfig):
-  """Runs a script of tests/ in a process of its own under
-  TF_USE_LEGACY_KERAS=1 (which must be set before TensorFlow is imported),
-  with this run's kind of variables, and returns its last line's JSON; skips
-  where TensorFlow has Keras 3 and tf_keras is missing."""
+def legacy_keras_env():
+  """The environment of a process of tests/ that uses tf.compat.v1.layers
+  or tf-slim: TF_USE_LEGACY_KERAS=1, which must be set before TensorFlow is
+  imported; skips where TensorFlow has Keras 3 and tf_keras is missing."""
   version = tf.__version__.split(".")[:2]
+  if tuple(map(int, version)) >= (2, 16) and importlib.util.find_spec(
+      "tf_keras") is None:
+    pytest.skip("TensorFlow %s has Keras 3 and tf_keras is not installed: "
+                "pip install tf_keras==%s.*" % (tf.__version__,
+                                                ".".join(version)))
+  return dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
 
-  def run(script, timeout):
-    if tuple(map(int, version)) >= (2, 16) and importlib.util.find_spec(
-        "tf_keras") is None:
-      pytest.skip("TensorFlow %s has Keras 3 and tf_keras is not installed: "
-                  "pip install tf_keras==%s.*" % (tf.__version__,
-                                                  ".".join(version)))
-    args = [sys.executable, os.path.join(os.path.dirname(__file__), script)]
+
+@pytest.fixture(scope="session")
+def legacy_keras_run(pytestconfig, legacy_keras_env):
+  """Runs a script of tests/ in a process of its own under
+  `legacy_keras_env`, with this run's kind of variables, and returns its
+  last line's JSON."""
+
+  def run(script, timeout, *flags):
+    args = [sys.executable, os.path.join(os.path.dirname(__file__), script),
+            *flags]
     if pytestconfig.getoption("--ref-variables"):
       args.append("--ref-variables")
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run(args, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    done = subprocess.run(args, env=legacy_keras_env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

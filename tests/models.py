@@ -113,3 +113,32 @@ def assert_gradients_close(got, want):
   for name in want:
     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6,
                                err_msg=name)
+
+
+def device_index(device):
+  return tf.DeviceSpec.from_string(device).device_index
+
+
+def weight_sends(graph, metadata, weights):
+  """{weight name: {device index: sends}} of one run: the transfers, in the
+  run's partition graphs, of a tensor of a weight's size from the weight's
+  device to each other device (the sizes must be distinct)."""
+  sizes = {v.shape.num_elements(): v for v in weights}
+  sent = {v.op.name: {} for v in weights}
+  for partition in metadata.partition_graphs:
+    for node in partition.node:
+      if node.op != "_Send":
+        continue
+      source, destination = (device_index(node.attr[key].s.decode())
+                             for key in ("send_device", "recv_device"))
+      op_name, _, index = node.input[0].partition(":")
+      try:
+        op = graph.get_operation_by_name(op_name)
+      except KeyError:
+        continue  # Made by Grappler or the partitioner: no weight.
+      var = sizes.get(op.outputs[int(index or 0)].shape.num_elements())
+      if var is not None and source == device_index(var.device) and (
+          destination != source):
+        counts = sent[var.op.name]
+        counts[destination] = counts.get(destination, 0) + 1
+  return sent

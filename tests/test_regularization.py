@@ -11,7 +11,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
-from models import batch
+from models import batch, device_index, weight_sends
 
 DECAY = 0.05
 
@@ -71,29 +71,10 @@ def test_weight_decay_runs_next_to_the_weights_with_the_one_device_result(
     np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6,
                                err_msg=name)
   # What each weight's device sends to the towers: the weight, once each.
-  sizes = {30: "w1", 15: "w2"}
-  sent = {}
-  for partition in metadata.partition_graphs:
-    for node in partition.node:
-      if node.op != "_Send":
-        continue
-      source, destination = (tf.DeviceSpec.from_string(
-          node.attr[key].s.decode()).device_index
-                             for key in ("send_device", "recv_device"))
-      op_name, _, index = node.input[0].partition(":")
-      try:
-        op = graph.get_operation_by_name(op_name)
-      except KeyError:
-        continue  # Made by Grappler or the partitioner: no weight.
-      name = sizes.get(op.outputs[int(index or 0)].shape.num_elements())
-      if name and source == _index(homes[name]) and destination != source:
-        sent[name, destination] = sent.get((name, destination), 0) + 1
-  assert sent == {(name, d): 1 for name in sizes.values() for d in (1, 2)
-                  if d != _index(homes[name])}
-
-
-def _index(device):
-  return tf.DeviceSpec.from_string(device).device_index
+  sent = weight_sends(graph, metadata, graph.get_collection(
+      tf.GraphKeys.TRAINABLE_VARIABLES))
+  assert sent == {name: {d: 1 for d in (1, 2) if d != device_index(home)}
+                  for name, home in homes.items()}
 
 
 def test_only_the_weight_decay_moves_whatever_feeds_the_towers():

@@ -6,6 +6,7 @@ side and every collective runs under ``operation_timeout_in_ms``, and each
 process under a timeout, so a hang fails the test instead of stalling it.
 """
 
+import importlib.util
 import json
 import os
 import socket
@@ -34,14 +35,14 @@ def _ports(count):
       s.close()
 
 
-def _start(pytestconfig, out, *flags):
+def _start(pytestconfig, out, *flags, env=None):
   args = [sys.executable, os.path.join(HERE, "workers_run.py"),
           "--out", str(out)] + [str(f) for f in flags]
   if pytestconfig.getoption("--ref-variables"):
     args.append("--ref-variables")
   return subprocess.Popen(args, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+                          env=env or dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
 
 
 def _finish(procs):
@@ -67,13 +68,13 @@ def _finish(procs):
 
 
 def _cluster(pytestconfig, tmp, name, towers_per_worker, flags=(),
-             chief_flags=()):
+             chief_flags=(), env=None):
   """Starts 2 workers; worker 1 starts from other values (seed 1)."""
   ports = _ports(2)
   return [_start(pytestconfig, tmp / ("%s%d.npz" % (name, k)),
                  "--task", k, "--ports", ports, "--towers",
                  towers_per_worker, "--init_seed", k, *flags,
-                 *(chief_flags if k == 0 else ()))
+                 *(chief_flags if k == 0 else ()), env=env)
           for k in range(2)]
 
 
@@ -197,6 +198,29 @@ def test_accumulated_micro_batches_across_workers_equal_one_worker_of_four(
   assert _gap(chief, _load(tmp_path / "w1.npz")) == 0.0
   assert [r["global_step"] for r in results] == [4, 4, 4]
   assert all(r["copies_gap"] == 0.0 for r in results)
+
+
+def test_every_regularizer_style_trains_across_workers_as_on_one_device(
+    pytestconfig, tmp_path, legacy_keras_env):
+  # tf.layers', tf-slim's (where it imports), a Keras layer's,
+  # tf.get_variable's and the CIFAR-10 tutorial's weight decay; the one
+  # device is one tower holding the whole global batch.
+  flags = ("--model", "regularized", "--steps", 3)
+  procs = _cluster(pytestconfig, tmp_path, "w", 2, flags=flags,
+                   env=legacy_keras_env)
+  procs.append(_start(pytestconfig, tmp_path / "one.npz", *flags, "--towers",
+                      1, "--per_tower", 16, "--variable_device", "cpu",
+                      env=legacy_keras_env))
+  results = _finish(procs)
+  chief, one = _load(tmp_path / "w0.npz"), _load(tmp_path / "one.npz")
+  assert sorted(chief) == sorted(one)
+  assert {"fc1/kernel", "emb", "w2", "dense/kernel"} <= set(chief)
+  assert ("fc2/weights" in chief) == bool(importlib.util.find_spec("tf_slim"))
+  assert _gap(chief, one) <= 1e-5
+  assert float(np.max(np.abs(one["fc1/kernel"][-1] -
+                             one["fc1/kernel"][0]))) > 1e-3
+  assert _gap(chief, _load(tmp_path / "w1.npz")) == 0.0
+  assert all(r["copies_gap"] == 0.0 for r in results[:2])
 
 
 def test_a_missing_peer_fails_the_step_under_the_operation_timeout(

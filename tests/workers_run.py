@@ -2,9 +2,11 @@
 loopback (``--ports``), or the one-worker reference (no ``--ports``).
 
 It trains a small model (a dense layer, an embedding whose gradient is
-sparse, a synchronized batch norm, Momentum) on a fixed global batch per
-step (``--accumulate_steps`` of them per update), worker ``k`` taking the
-``k``-th slice, and writes every global variable after each update to
+sparse, a synchronized batch norm, Momentum; or, with ``--model
+regularized``, layers that every weight-regularizer style decays) on a fixed
+global batch per step (``--accumulate_steps`` of them per update), worker
+``k`` taking the ``k``-th slice, and writes every global variable after
+each update to
 ``--out`` (an ``.npz``: ``name -> [steps + 1,
 ...]``, row 0 being the values the first step starts from). The last line
 of its output is JSON: the largest gap between a replicated copy and copy
@@ -37,6 +39,9 @@ def main() -> None:
   parser.add_argument("--timeout_ms", type=int, default=120000)
   parser.add_argument("--variable_device", default="replicated")
   parser.add_argument("--accumulate_steps", type=int, default=1)
+  parser.add_argument("--per_tower", type=int, default=PER_TOWER)
+  parser.add_argument("--model", choices=["batch_norm", "regularized"],
+                      default="batch_norm")
   parser.add_argument("--ref-variables", action="store_true")
   args = parser.parse_args()
   if args.ref_variables:
@@ -67,20 +72,24 @@ def main() -> None:
 
   init = np.random.RandomState(args.init_seed)
   values = {"w1": init.randn(6, 8), "emb": init.randn(10, 8),
-            "w2": init.randn(8, 3)}
-  per_worker = args.towers * PER_TOWER
+            "w2": init.randn(8, 3), "w3": init.randn(8, 8) * 0.3}
+  per_worker = args.towers * args.per_tower
   x = tf.placeholder(tf.float32, [per_worker, 6])
   ids = tf.placeholder(tf.int32, [per_worker])
   y = tf.placeholder(tf.int32, [per_worker])
 
+  def variable(name, **kwargs):
+    return tf.get_variable(name, values[name].shape, initializer=(
+        tf.constant_initializer(values[name])), **kwargs)
+
   def model_fn(_, x, ids, y):
-    def variable(name):
-      return tf.get_variable(name, values[name].shape, initializer=(
-          tf.constant_initializer(values[name])))
     hidden = tf.matmul(x, variable("w1")) + tf.gather(variable("emb"), ids)
     hidden = towers.batch_normalization(tf.nn.relu(hidden), training=True)
     logits = tf.matmul(hidden, variable("w2"))
     return tf.losses.sparse_softmax_cross_entropy(y, logits)
+
+  if args.model == "regularized":
+    model_fn = regularized_model(values, variable)
 
   with tf.device(task + "/cpu:0" if task else "/cpu:0"):
     global_step = tf.train.get_or_create_global_step()
@@ -131,6 +140,42 @@ def main() -> None:
   print(json.dumps({"copies_gap": gap, "global_step": final_step,
                     "copies": len(copies)}))
   sys.stdout.flush()
+
+
+def regularized_model(values, variable):
+  """A model whose weights every regularizer style decays: tf.layers' and
+  tf-slim's (tf.layers under TF_USE_LEGACY_KERAS=1 on Keras 3), a Keras
+  layer's, tf.get_variable's and the CIFAR-10 tutorial's."""
+  decay = 0.05
+  keras = tf.keras
+  dense = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.l2(
+      decay), kernel_initializer=keras.initializers.Constant(values["w2"]))
+
+  def l2(w):
+    return decay * tf.nn.l2_loss(w)
+
+  def model_fn(scope, x, ids, y):
+    hidden = tf.layers.dense(
+        x, 8, tf.nn.relu, kernel_regularizer=l2, name="fc1",
+        kernel_initializer=tf.constant_initializer(values["w1"]))
+    hidden += tf.gather(variable("emb", regularizer=l2), ids)
+    try:
+      import tf_slim as slim  # pylint: disable=import-outside-toplevel
+      hidden = slim.fully_connected(
+          hidden, 8, tf.tanh, scope="fc2",
+          weights_initializer=tf.constant_initializer(values["w3"]),
+          weights_regularizer=slim.l2_regularizer(decay))
+    except ImportError:
+      pass
+    w2 = variable("w2")
+    tf.add_to_collection("losses", tf.multiply(tf.nn.l2_loss(w2), decay,
+                                               name="weight_loss"))
+    logits = tf.matmul(hidden, w2) + dense(hidden)
+    tf.losses.sparse_softmax_cross_entropy(y, logits)
+    return (tf.add_n(tf.get_collection("losses", scope)) +
+            tf.losses.get_regularization_loss() + tf.add_n(dense.losses))
+
+  return model_fn
 
 
 if __name__ == "__main__":
