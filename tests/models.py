@@ -115,6 +115,17 @@ def assert_gradients_close(got, want):
                                err_msg=name)
 
 
+def copies_gap(sess, values):
+  """The largest difference of a replicated copy from copy 0, given copy
+  0's `values` ({name: value} of the global variables)."""
+  gap = 0.0
+  for var in tf.local_variables():
+    if var.op.name.startswith("replica_"):
+      primary = values[var.op.name.split("/", 1)[1]]
+      gap = max(gap, float(np.max(np.abs(sess.run(var) - primary))))
+  return gap
+
+
 def device_index(device):
   return tf.DeviceSpec.from_string(device).device_index
 

@@ -24,7 +24,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow.compat.v1 as tf
 
 import towers
-from models import weight_sends
+from models import copies_gap, weight_sends
 
 try:
   import tf_slim as slim  # pylint: disable=g-import-not-at-top
@@ -227,12 +227,7 @@ def on_towers(style, composition, mode):
       for bx, by in data:
         sess.run(train_op, {x: bx, y: by})
       values = {v.op.name: sess.run(v) for v in tf.global_variables()}
-      gap = 0.0
-      for var in tf.local_variables():
-        if var.op.name.startswith("replica_"):
-          primary = values[var.op.name.split("/", 1)[1]]
-          gap = max(gap, float(np.max(np.abs(sess.run(var) - primary))))
-  return values, gap
+      return values, copies_gap(sess, values)
 
 
 def case(style, composition, mode, references):

@@ -86,11 +86,7 @@ def _train(micro_batches, num_towers, steps, make_opt, *, dynamic=False,
         applies, _ = sess.run([t.applies, train_op], {x: bx, y: by})
         runs.append((bool(applies), int(sess.run(global_step))))
       values = {v.op.name: sess.run(v) for v in tf.global_variables()}
-      gap = 0.0
-      for var in tf.local_variables():
-        if var.op.name.startswith("replica_"):
-          primary = values[var.op.name.split("/", 1)[1]]
-          gap = max(gap, float(np.max(np.abs(sess.run(var) - primary))))
+      gap = models.copies_gap(sess, values)
       extra = sess.run(fetch(t)) if fetch else None
   return values, runs, gap, extra
 
