@@ -151,6 +151,11 @@ def regularized_model(values, variable):
   dense = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.l2(
       decay), kernel_initializer=keras.initializers.Constant(values["w2"]))
 
+  try:
+    import tf_slim as slim  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    slim = None
+
   def l2(w):
     return decay * tf.nn.l2_loss(w)
 
@@ -159,14 +164,11 @@ def regularized_model(values, variable):
         x, 8, tf.nn.relu, kernel_regularizer=l2, name="fc1",
         kernel_initializer=tf.constant_initializer(values["w1"]))
     hidden += tf.gather(variable("emb", regularizer=l2), ids)
-    try:
-      import tf_slim as slim  # pylint: disable=import-outside-toplevel
+    if slim is not None:
       hidden = slim.fully_connected(
           hidden, 8, tf.tanh, scope="fc2",
           weights_initializer=tf.constant_initializer(values["w3"]),
           weights_regularizer=slim.l2_regularizer(decay))
-    except ImportError:
-      pass
     w2 = variable("w2")
     tf.add_to_collection("losses", tf.multiply(tf.nn.l2_loss(w2), decay,
                                                name="weight_loss"))

@@ -58,7 +58,7 @@ _FIX = ("Build each tower's loss from its own tensors: "
 
 def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
                  batches: Sequence[object],
-                 added: Sequence[Sequence[object]] = ()) -> None:
+                 added: Sequence[Sequence[object]]) -> None:
   """Raises if a tower's loss reads another tower's data, if the towers'
   losses count the regularization losses differently, or if one tower 0
   added reaches no tower's loss.
@@ -125,8 +125,8 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
           "the variable, so a loss that sums its own scope's collection "
           "counts it in tower 0 only; a Keras model's model.losses belongs "
           "in every tower's loss. %s" % (_tower(scopes[has]), counted, _FIX))
-  dropped = sorted(entries.names[k] for k in entries.keys_of(
-      added[0] if added else ()) if not reads[0][k])
+  dropped = sorted(entries.names[k] for k in entries.keys_of(added[0])
+                   if not reads[0][k])
   if dropped:
     raise ValueError(
         "no tower's loss reads the regularization losses %s, so training "

@@ -79,8 +79,9 @@ def tower(scope: str, first_scope: Optional[str] = None,
     try:
       yield kept
     finally:
+      known = {id(item) for item in before}
       kept.extend(loss for loss in graph.get_collection(_KEY)
-                  if not any(loss is item for item in before))
+                  if id(loss) not in known)
     return
   first = {}
   for loss in first_added:
@@ -94,9 +95,8 @@ def tower(scope: str, first_scope: Optional[str] = None,
   try:
     yield kept
   finally:
-    now = graph.get_collection(_KEY)
-    kept.extend(loss for loss in view.added
-                if any(loss is item for item in now))
+    now = {id(item) for item in graph.get_collection(_KEY)}
+    kept.extend(loss for loss in view.added if id(loss) in now)
     graph.clear_collection(_KEY)
     for loss in before:
       graph.add_to_collection(_KEY, loss)
