@@ -77,8 +77,9 @@ def _init(name):
 
 class Net:
   """A two-layer net (``fc1``, tanh, ``fc2``) whose fc1 kernel, fc2 kernel
-  and fc2 bias a regularizer `style` decays, built as that style builds
-  it; made once per graph (a Keras model is held by the object)."""
+  and fc2 bias a regularizer `style` decays (``layers_keras``: fc1's
+  activity too), built as that style builds it; made once per graph (a
+  Keras model is held by the object)."""
 
   def __init__(self, style):
     self.style = style
@@ -107,10 +108,13 @@ class Net:
     if style in ("layers_function", "layers_keras"):
       reg = _l2 if style == "layers_function" else tf.keras.regularizers.l2(
           DECAY)
-      net = tf.layers.dense(x, HIDDEN, tf.tanh, name="fc1",
-                            kernel_initializer=_init("fc1/kernel"),
-                            bias_initializer=_init("fc1/bias"),
-                            kernel_regularizer=reg)
+      # With Keras regularizers, fc1's activity too: each tower's own, on
+      # its batch (Keras divides the sum by the batch size: a mean).
+      net = tf.layers.dense(
+          x, HIDDEN, tf.tanh, name="fc1",
+          kernel_initializer=_init("fc1/kernel"),
+          bias_initializer=_init("fc1/bias"), kernel_regularizer=reg,
+          activity_regularizer=None if reg is _l2 else reg)
       return tf.layers.dense(net, CLASSES, name="fc2",
                              kernel_initializer=_init("fc2/kernel"),
                              bias_initializer=_init("fc2/bias"),
