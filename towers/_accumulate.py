@@ -36,6 +36,7 @@ import tensorflow.compat.v1 as tf
 from towers import _copies
 from towers import _gradients
 from towers import _regularization
+from towers import _shares
 
 ApplyFn = Callable[[List[_gradients.GradsAndVars],
                     List[_gradients.Weight]], tf.Operation]
@@ -123,6 +124,9 @@ def accumulate_gradients(towers, apply_fn: ApplyFn,
         scale, apply_weights = 1.0 / steps, weights
       grads = [[(a.value(scale), a.var) for a in tower]
                for tower in accumulators]
+      # The seed's average_gradients(tower_grads), without weights, takes
+      # these.
+      _shares.record(grads, apply_weights)
       # In the caller's name scope, as without accumulation: an optimizer's
       # own variables (Adam's beta powers) keep their single-device names.
       with tf.name_scope(outer + "/" if outer else ""):

@@ -1,7 +1,7 @@
 """Building the towers: one model replica per device, variables shared."""
 
 import collections
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
@@ -12,10 +12,12 @@ from towers import _device_check
 from towers import _devices
 from towers import _inputs
 from towers import _isolation
+from towers import _losses
 from towers import _placement
 from towers import _precision
 from towers import _regularization
 from towers import _replay
+from towers import _shares
 from towers import _tower_loop
 from towers import _updates
 from towers import _workers
@@ -26,7 +28,8 @@ Towers = collections.namedtuple("Towers", [
     "loss_scale", "batch_size", "applies"])
 Towers.__doc__ = """What `build_towers` built.
 
-Fields:
+Fields (with a dict of losses, those of losses, gradients and their
+updates are dicts by loss: ``tower_grads["d"]``, ``loss["g"]``):
   losses: ``[num_towers]`` scalar loss tensors, one per tower.
   loss: the towers' losses averaged with `weights`: the global batch's.
   tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
@@ -71,24 +74,25 @@ def build_towers(model_fn: Callable[..., object],
   """Builds one model replica per device and computes each one's gradients.
 
   Tower ``i`` is built under ``devices[i]`` and ``tf.name_scope('tower_i')``
-  reusing tower 0's variables, and runs ``opt.compute_gradients``; the
-  losses are checked, and ``opt.apply_gradients`` is routed to
-  `apply_gradients`. Each argument's long form: docs/api.md.
+  reusing tower 0's variables and runs ``opt.compute_gradients``; the losses
+  are checked, ``opt.apply_gradients`` is routed to `apply_gradients`.
 
   Args:
-    model_fn: ``model_fn(scope, *batch)`` -> loss, or ``(loss, outputs)``.
-    opt: a ``tf.compat.v1.train.Optimizer``.
-    num_gpus: the number of towers, a positive int.
+    model_fn: ``model_fn(scope, *batch)`` -> loss, or a dict of losses (each
+      with its `opt` and ``var_list``), alone or with outputs as a pair.
+    opt: a ``tf.compat.v1.train.Optimizer``, or a dict of them by loss.
+    num_gpus: the number of towers, a positive int (long forms: docs/api.md).
     inputs: None, a global batch (split on axis 0), or a callable.
     devices: ``[num_gpus]`` devices; default ``tower_devices(num_gpus)``.
-    variable_device: ``'cpu'``, ``'gpu'``, ``'balanced'``, ``'replicated'``
-      or a device (string or function).
-    tower_name: the prefix of the towers' name scopes.
+    variable_device: ``'cpu'``, ``'gpu'``, ``'balanced'``, ``'replicated'``,
+      a device string or function.
+    tower_name: the towers' name-scope prefix.
     all_reduce: replicated: ``'add_n'``, ``'ring'``, ``'collective'``.
     compute_dtype: ``'float16'``/``'bfloat16'``: float32 master weights.
     stage_inputs: whether to stage each tower's next batch on its device.
     num_workers: worker tasks training together (collective, replicated).
-    **compute_gradients_kwargs: for ``opt.compute_gradients`` (0 gating).
+    **compute_gradients_kwargs: for ``opt.compute_gradients`` (0 gating;
+      ``var_list``: variables, a name prefix or a callable, or a dict).
 
   Returns:
     A `Towers` namedtuple.
@@ -102,18 +106,17 @@ def build_towers(model_fn: Callable[..., object],
   if not callable(model_fn):
     raise TypeError("expected model_fn to be callable as model_fn(scope, "
                     "*batch), got %r" % (model_fn,))
-  if not hasattr(opt, "compute_gradients") or not hasattr(
-      opt, "apply_gradients"):
-    raise TypeError(
-        "expected opt to be a tf.compat.v1.train.Optimizer (it needs "
-        "compute_gradients and apply_gradients), got %r; Keras optimizers "
-        "do not work in graph mode towers, use e.g. "
-        "tf.compat.v1.train.MomentumOptimizer" % (opt,))
+  opts = _losses.optimizers(opt)
+  keys = list(opts)
+  entries = _losses.check_var_list(
+      compute_gradients_kwargs.pop("var_list", None), keys)
   compute_gradients_kwargs.setdefault("gate_gradients",
                                       tf.train.Optimizer.GATE_NONE)
-  replicated = _check_replicated(variable_device, all_reduce, opt)
-  # The seed's opt.apply_gradients(...) then updates every copy.
-  _apply.route(opt)
+  replicated = False
+  for each in opts.values():
+    replicated = _check_replicated(variable_device, all_reduce, each)
+    # The seed's opt.apply_gradients(...) then updates every copy.
+    _apply.route(each)
   if num_workers != 1:
     mine = _tower_loop.check_devices(devices, num_gpus)
     num_workers = _workers.check(num_workers, mine, replicated, all_reduce)
@@ -121,22 +124,29 @@ def build_towers(model_fn: Callable[..., object],
   if replicated:
     devices = _tower_loop.check_devices(devices, num_gpus)
     all_reduce = _allreduce.resolve(all_reduce, devices)
-  first_vars: List[tf.Variable] = []
+  # Each loss's variables: resolved in tower 0, once it has made them.
+  var_lists: Dict[_losses.Key, Optional[List[tf.Variable]]] = {}
+  # Each loss's variables in tower 0, whose copies a replicated tower trains.
+  first_vars: Dict[_losses.Key, List[tf.Variable]] = {}
 
   def tower(index, scope, batch, check):
     start = _replay.last_op_id()
-    loss, output = _check_result(model_fn(scope, *batch), scope)
+    losses, output = _losses.check_result(model_fn(scope, *batch), scope,
+                                          keys)
     made_by_model = _replay.made_after(start)
     # A Keras layer's updates (batch norm's), which nothing would run.
-    _updates.collect(made_by_model, scope, loss, output)
+    _updates.collect(made_by_model, scope, list(losses.values()), output)
     if replicated and index > 0:
       # A Keras model's variables, which tf.get_variable did not copy.
       _copies.read_copies(index, devices[index], scope, made_by_model)
     # Weight decay's ops next to their variables, not on the tower (a
     # replicated tower's copies are on its own device already).
-    terms = {} if replicated else _regularization.place(loss, batch, scope)
+    terms: Dict[str, str] = {}
+    for loss in losses.values() if not replicated else ():
+      terms.update(_regularization.place(loss, batch, scope))
     # The gradients, and so every reduction of them, wait for the check.
-    _device_check.gate(loss, check)
+    for loss in losses.values():
+      _device_check.gate(loss, check)
     # Tower 0's batch-norm updates stand for all (tf-slim's choice): running
     # every tower's would apply N updates per step.
     update_ops = tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope) \
@@ -144,35 +154,48 @@ def build_towers(model_fn: Callable[..., object],
     # Only the final tower's summaries are kept: the towers' would share
     # tags once the tower prefix is stripped.
     summaries = tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
-    made = _replay.last_op_id()
-    if index > 0 and replicated:
-      kwargs = dict(compute_gradients_kwargs)
-      kwargs.pop("var_list", None)
-      grads = _copies.tower_gradients(opt, loss, first_vars, index,
-                                        **kwargs)
-    else:
-      grads = opt.compute_gradients(loss, **compute_gradients_kwargs)
-      first_vars.extend(v for _, v in grads)
-    _regularization.split(grads, made, terms)
-    return loss, output, grads, update_ops, summaries
+    if index == 0:
+      var_lists.update(_losses.resolve(entries))
+    grads = {}
+    for key, loss in losses.items():
+      made = _replay.last_op_id()
+      if index > 0 and replicated:
+        grads[key] = _copies.tower_gradients(
+            opts[key], loss, first_vars[key], index,
+            **compute_gradients_kwargs)
+      else:
+        kwargs = dict(compute_gradients_kwargs)
+        if var_lists[key] is not None:
+          kwargs["var_list"] = var_lists[key]
+        grads[key] = opts[key].compute_gradients(loss, **kwargs)
+        first_vars.setdefault(key, [v for _, v in grads[key]])
+      _regularization.split(grads[key], made, terms)
+    return losses, output, grads, update_ops, summaries
 
   built = _tower_loop.build_each_tower(
       tower, num_gpus, inputs=inputs, devices=devices,
       variable_device=variable_device, tower_name=tower_name,
       compute_dtype=compute_dtype, stage_inputs=stage_inputs)
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
+  by_key = {key: [each[key] for each in losses] for key in keys}
+  grads_by_key = {key: [each[key] for each in tower_grads] for key in keys}
   if replicated:
-    _copies.record_all_reduce([v for _, v in tower_grads[0]], all_reduce)
-  _isolation.check_losses(losses, built.scopes, built.batches,
+    _copies.record_all_reduce(
+        [v for key in keys for _, v in grads_by_key[key][0]], all_reduce)
+  _isolation.check_losses(by_key, built.scopes, built.batches,
                           added=built.regularization_losses)
-  with tf.name_scope("%s_loss" % tower_name):
-    mean_loss = tf.add_n([loss * tf.cast(w, loss.dtype)
-                          for loss, w in zip(losses, built.weights)])
-  return Towers(losses=list(losses), loss=mean_loss,
-                tower_grads=list(tower_grads), weights=built.weights,
-                scopes=built.scopes, devices=built.devices,
-                summaries=summaries[-1], update_ops=update_ops[0],
-                outputs=list(outputs), grads_and_vars=None,
+  means = {}
+  for key in keys:
+    _shares.record(grads_by_key[key], built.weights)
+    with tf.name_scope("%s_loss" % tower_name):
+      means[key] = tf.add_n([loss * tf.cast(w, loss.dtype)
+                             for loss, w in zip(by_key[key], built.weights)])
+  return Towers(losses=_losses.unwrap(by_key), loss=_losses.unwrap(means),
+                tower_grads=_losses.unwrap(grads_by_key),
+                weights=built.weights, scopes=built.scopes,
+                devices=built.devices, summaries=summaries[-1],
+                update_ops=update_ops[0], outputs=list(outputs),
+                grads_and_vars=None,
                 all_reduce=all_reduce if replicated else None,
                 loss_scale=None, batch_size=built.batch_size, applies=None)
 
@@ -195,43 +218,3 @@ def _check_replicated(variable_device: _placement.VariableDevice,
         "parameter servers; with parameter servers use variable_device="
         "tf.train.replica_device_setter(...) (one copy)")
   return replicated
-
-
-def _check_result(result, scope: str):
-  """Returns ``(loss, outputs)`` from what `model_fn` returned, checked."""
-  tower = scope.rstrip("/")
-  outputs = None
-  if isinstance(result, (tuple, list)):
-    if len(result) != 2:
-      raise ValueError(
-          "model_fn returned a %s of %d items in %s; expected the loss or a "
-          "pair (loss, outputs)" % (type(result).__name__, len(result), tower))
-    result, outputs = result
-  loss = result
-  if loss is None:
-    raise ValueError("model_fn returned no loss (None) in %s; it must return "
-                     "the tower's scalar loss, or (loss, outputs)" % tower)
-  if isinstance(loss, tf.Variable):
-    loss = tf.convert_to_tensor(loss)
-  if not isinstance(loss, tf.Tensor):
-    raise TypeError(
-        "expected model_fn to return the loss as a scalar float tf.Tensor in "
-        "%s, got %s %r; build the loss from the tower's tensors"
-        % (tower, type(loss).__name__, loss))
-  if not loss.dtype.is_floating:
-    raise TypeError(
-        "expected model_fn to return a float loss, got %s in %s; cast it "
-        "with tf.cast(loss, tf.float32)" % (loss.dtype.name, tower))
-  if loss.shape.rank is None:
-    # Only known at run time: check it then, with the same hint.
-    check = tf.debugging.assert_rank(
-        loss, 0, message="expected model_fn to return a scalar loss in %s; "
-        "did you forget tf.reduce_mean?" % tower)
-    with tf.control_dependencies([check]):
-      loss = tf.identity(loss)
-    loss.set_shape([])
-  elif loss.shape.rank != 0:
-    raise ValueError(
-        "expected model_fn to return a scalar loss, got shape %s in %s; did "
-        "you forget tf.reduce_mean?" % (loss.shape.as_list(), tower))
-  return loss, outputs

@@ -19,6 +19,7 @@ from towers import _copies
 from towers import _packing
 from towers import _reduction
 from towers import _regularization
+from towers import _shares
 
 Gradient = _reduction.Gradient
 GradsAndVars = List[Tuple[Optional[Gradient], tf.Variable]]
@@ -46,7 +47,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
 
   Args:
     tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``.
-    weights: ``[num_towers]`` shares of the global batch, or None (equal).
+    weights: ``[num_towers]`` shares of the global batch, or None: the
+      towers' own (`Towers.weights`) for their lists, else equal.
     device: where to reduce; None: next to each variable.
     control_inputs: ops every averaged gradient also waits for.
     all_reduce: for replicated towers; None: the one they were built with.
@@ -57,7 +59,8 @@ def average_gradients(tower_grads: Sequence[GradsAndVars],
 
   Raises:
     ValueError: if the towers' lists, weights, `all_reduce`, `device` or
-      `pack_bytes` do not fit.
+      `pack_bytes` do not fit, or no weights are given for lists of uneven
+      towers that are not their own.
     TypeError: if an entry is not a ``(grad, var)`` pair of a tensor,
       ``tf.IndexedSlices`` or None.
   """
@@ -102,6 +105,8 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
   # Every check first: refused input builds nothing.
   check_tower_grads(tower_grads)
   _check_present_alike(tower_grads)
+  if weights is None:
+    weights = _shares.weights_of(tower_grads)
   weights = _check_weights(weights, len(tower_grads))
   pack_bytes = _packing.check_pack_bytes(pack_bytes)
   algorithm = _algorithm(tower_grads, all_reduce, device)
@@ -165,6 +170,12 @@ def _var_name(var) -> str:
 
 
 def check_tower_grads(tower_grads) -> None:
+  if isinstance(tower_grads, dict):
+    raise TypeError(
+        "tower_grads is a dict of several losses' gradients (%s): average "
+        "each loss's own, average_gradients(t.tower_grads[%r], t.weights), "
+        "and apply it with that loss's optimizer"
+        % (", ".join(map(repr, tower_grads)), next(iter(tower_grads), "d")))
   if not isinstance(tower_grads, (list, tuple)):
     raise TypeError("expected tower_grads to be a list over towers of "
                     "(grad, var) lists, got %r" % (tower_grads,))

@@ -32,7 +32,7 @@ queue is shared state, not a tower's data.
 import collections
 import re
 from typing import Counter as CountsOf
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import tensorflow.compat.v1 as tf
 
@@ -56,15 +56,15 @@ _FIX = ("Build each tower's loss from its own tensors: "
         "tf.losses.get_regularization_loss()")
 
 
-def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
-                 batches: Sequence[object],
+def check_losses(losses: Mapping[object, Sequence[tf.Tensor]],
+                 scopes: Sequence[str], batches: Sequence[object],
                  added: Sequence[Sequence[object]]) -> None:
   """Raises if a tower's loss reads another tower's data, if the towers'
   losses count the regularization losses differently, or if one tower 0
   added reaches no tower's loss.
 
   Args:
-    losses: ``[num_towers]`` scalar losses.
+    losses: {key: ``[num_towers]`` scalar losses} (`_losses`).
     scopes: ``[num_towers]`` name scopes (``'tower_0/'``, ...).
     batches: ``[num_towers]`` of what each tower's model function was given
       (nested structures of tensors; empty where it built its own input).
@@ -72,8 +72,8 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
       added (`_regularization_view`).
 
   Raises:
-    ValueError: naming the tower, the foreign op or regularization loss, and
-      the fix.
+    ValueError: naming the tower, the loss, the foreign op or
+      regularization loss, and the fix.
   """
   # Each walk covers one tower's part of the graph, so checking N towers
   # costs about one pass over the graph, not N.
@@ -88,6 +88,29 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
       owners[op].append(j)
   entries = _Entries(tf.get_collection(tf.GraphKeys.REGULARIZATION_LOSSES),
                      added, scopes)
+  read_by_any: CountsOf = collections.Counter()
+  for key, key_losses in losses.items():
+    reads = _check_towers(key_losses, scopes, owners, entries,
+                          "" if key is None else "the loss %r: " % (key,))
+    read_by_any.update(reads[0])
+  dropped = sorted(entries.names[k] for k in entries.keys_of(added[0])
+                   if not read_by_any[k])
+  if dropped:
+    raise ValueError(
+        "no tower's loss reads the regularization losses %s, so training "
+        "would silently drop that weight decay: a regularizer's loss is "
+        "created beside its variable, outside every tower's name scope, "
+        "where tf.losses.get_total_loss(scope=scope) and the scope's "
+        "collection do not look. %s. To train without them on purpose, take "
+        "them out of the collection in model_fn: del tf.get_collection_ref("
+        "tf.GraphKeys.REGULARIZATION_LOSSES)[:]" % (", ".join(dropped), _FIX))
+
+
+def _check_towers(losses: Sequence[tf.Tensor], scopes: Sequence[str],
+                  owners: Dict[tf.Operation, List[int]], entries: "_Entries",
+                  which: str) -> List[CountsOf]:
+  """The first two checks for one loss of every tower; returns the
+  regularization losses each tower's reads."""
   reads: List[CountsOf] = []
   for i, (loss, scope) in enumerate(zip(losses, scopes)):
     reached = ancestors(loss.op)
@@ -98,14 +121,15 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
       op, owner = next(((op, j) for op, j in foreign
                         if not op.name.startswith(scope)), foreign[0])
       raise ValueError(
-          "%s's loss reads %s's data through %s: each tower's loss must "
+          "%s%s's loss reads %s's data through %s: each tower's loss must "
           "depend on its own batch only, else the averaged gradient is "
           "wrong. Did model_fn return tf.losses.get_total_loss() or the "
           "'losses' collection, which hold the losses of the towers built "
           "before it, or a Keras model's model.losses, which holds every "
           "call's activity regularization? %s; for the Keras model, "
           "tf.add_n(model.get_losses_for(None) + model.get_losses_for("
-          "inputs))" % (_tower(scope), _tower(scopes[owner]), op.name, _FIX))
+          "inputs))" % (which, _tower(scope), _tower(scopes[owner]), op.name,
+                        _FIX))
     reads.append(entries.read_by(reached, scope))
   for i in range(1, len(losses)):
     has, lacks = 0, i
@@ -120,22 +144,13 @@ def check_losses(losses: Sequence[tf.Tensor], scopes: Sequence[str],
       else:
         counted = "%s, %s's does not" % (names, _tower(scopes[lacks]))
       raise ValueError(
-          "the towers' losses include different regularization losses: "
+          "%sthe towers' losses include different regularization losses: "
           "%s's includes %s. A regularizer runs once, when tower 0 creates "
           "the variable, so a loss that sums its own scope's collection "
           "counts it in tower 0 only; a Keras model's model.losses belongs "
-          "in every tower's loss. %s" % (_tower(scopes[has]), counted, _FIX))
-  dropped = sorted(entries.names[k] for k in entries.keys_of(added[0])
-                   if not reads[0][k])
-  if dropped:
-    raise ValueError(
-        "no tower's loss reads the regularization losses %s, so training "
-        "would silently drop that weight decay: a regularizer's loss is "
-        "created beside its variable, outside every tower's name scope, "
-        "where tf.losses.get_total_loss(scope=scope) and the scope's "
-        "collection do not look. %s. To train without them on purpose, take "
-        "them out of the collection in model_fn: del tf.get_collection_ref("
-        "tf.GraphKeys.REGULARIZATION_LOSSES)[:]" % (", ".join(dropped), _FIX))
+          "in every tower's loss. %s"
+          % (which, _tower(scopes[has]), counted, _FIX))
+  return reads
 
 
 class _Entries:

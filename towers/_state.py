@@ -43,6 +43,10 @@ class GraphState:
       -> their `LaunchOrder`, which their gradients' all-reduce continues.
     weight_decay: `_regularization`: a tower's gradient's name -> its data
       part and its weight-decay parts.
+    share_records: `_shares`: each recorded set of towers' shares of the
+      global batch.
+    shares: `_shares`: a tower's gradient tensor's name -> ``(record, tower
+      index)``.
   """
 
   def __init__(self) -> None:
@@ -60,6 +64,8 @@ class GraphState:
     self.building: Optional[Any] = None
     self.launch_orders: Dict[tf.Operation, Any] = {}
     self.weight_decay: Dict[str, Tuple[tf.Tensor, List[tf.Tensor]]] = {}
+    self.share_records: List[List[Any]] = []
+    self.shares: Dict[str, Tuple[int, int]] = {}
 
 
 def of(graph: Optional[tf.Graph] = None) -> GraphState:

@@ -1,12 +1,13 @@
 """The whole step: build the towers, average, clip, apply once."""
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
 from towers import _accumulate
 from towers import _apply
 from towers import _gradients
+from towers import _losses
 from towers import _loss_scale
 from towers import _packing
 from towers import _precision
@@ -29,13 +30,14 @@ def minimize(model_fn: Callable[..., object],
   The seed's step in one call: `build_towers`, `average_gradients` with the
   towers' weights (also waiting for the update ops and the losses), an
   optional clip by global norm, then `apply_gradients`; with
-  `accumulate_steps`, through `accumulate_gradients`. See docs/api.md.
+  `accumulate_steps`, through `accumulate_gradients`. With a dict of losses
+  and of optimizers, one such step per loss. See docs/api.md.
 
   Args:
     model_fn: as for `build_towers`.
-    opt: a ``tf.compat.v1.train.Optimizer``.
+    opt: a ``tf.compat.v1.train.Optimizer``, or a dict of them by loss.
     num_gpus: the number of towers.
-    global_step: incremented by one per applied update when given.
+    global_step: incremented by one per applied update (the last loss's).
     clip_norm: if set, the global norm the averaged gradients are clipped to.
     average_device: `average_gradients`' `device`.
     pack_bytes: `average_gradients`' `pack_bytes`.
@@ -46,8 +48,8 @@ def minimize(model_fn: Callable[..., object],
     **build_towers_kwargs: passed to `build_towers`.
 
   Returns:
-    ``(train_op, towers)``, with ``towers.grads_and_vars`` the pairs applied
-    and ``towers.applies`` whether the next run applies.
+    ``(train_op, towers)`` (a dict of train ops by loss), with
+    ``towers.grads_and_vars`` the pairs applied and ``towers.applies``.
 
   Raises:
     ValueError: for a bad `clip_norm`, `loss_scale` or `accumulate_steps`,
@@ -57,62 +59,112 @@ def minimize(model_fn: Callable[..., object],
   if clip_norm is not None and not clip_norm > 0:
     raise ValueError("expected clip_norm to be a positive number or None, got "
                      "%r" % (clip_norm,))
+  opts = _losses.optimizers(opt)
+  keys = list(opts)
   steps = _accumulate.check_steps(accumulate_steps)
-  if steps > 1 and isinstance(opt, tf.train.SyncReplicasOptimizer):
+  if steps > 1 and len(keys) > 1:
     raise ValueError(
-        "accumulate_steps=%d sums micro-batches before one update, but "
-        "SyncReplicasOptimizer updates from queues it fills on every run; "
-        "aggregate more gradients per update with its replicas_to_aggregate "
-        "instead, or drop accumulate_steps" % steps)
-  loss_scale = _loss_scale.check(
-      loss_scale, opt, _precision.check_compute_dtype(
-          build_towers_kwargs.get("compute_dtype")))
-  scale = None if loss_scale is None else _loss_scale.LossScale(loss_scale)
-  towers = _build.build_towers(
-      model_fn, opt if scale is None else _loss_scale.ScaledGradients(
-          opt, scale), num_gpus, **build_towers_kwargs)
-  if all(g is None for g, _ in towers.tower_grads[0]):
-    raise ValueError(
-        "no variable has a gradient: none of %s reaches the towers' loss"
-        % ", ".join(v.name for _, v in towers.tower_grads[0]))
-  applied: List[_gradients.GradsAndVars] = []
+        "accumulate_steps=%d with several losses (%s) is not supported: each "
+        "loss's train op would accumulate its own runs; train with "
+        "accumulate_steps=1, or one loss" % (steps, ", ".join(map(repr, keys))))
+  compute_dtype = _precision.check_compute_dtype(
+      build_towers_kwargs.get("compute_dtype"))
+  scales: Dict[_losses.Key, Optional[_loss_scale.LossScale]] = {}
+  for key, each in opts.items():
+    if steps > 1 and isinstance(each, tf.train.SyncReplicasOptimizer):
+      raise ValueError(
+          "accumulate_steps=%d sums micro-batches before one update, but "
+          "SyncReplicasOptimizer updates from queues it fills on every run; "
+          "aggregate more gradients per update with its replicas_to_aggregate "
+          "instead, or drop accumulate_steps" % steps)
+    spec = _loss_scale.check(loss_scale, each, compute_dtype)
+    scales[key] = None if spec is None else _loss_scale.LossScale(spec)
+  scaled = {}
+  for key, each in opts.items():
+    scale = scales[key]
+    scaled[key] = each if scale is None else _loss_scale.ScaledGradients(
+        each, scale)
+  towers = _build.build_towers(model_fn, _losses.unwrap(scaled), num_gpus,
+                               **build_towers_kwargs)
+  tower_grads = _losses.keyed(towers.tower_grads, keys)
+  losses = _losses.keyed(towers.losses, keys)
+  for key in keys:
+    if all(g is None for g, _ in tower_grads[key][0]):
+      raise ValueError(
+          "no variable has a gradient%s: none of %s reaches the towers' loss%s"
+          % (_losses.named(key), ", ".join(
+              v.name for _, v in tower_grads[key][0]), _losses.named(key)))
+  # Every step waits for every loss: one fetched with any step is the loss
+  # before its update.
+  every_loss = [loss for key in keys for loss in losses[key]]
+  applied: Dict[_losses.Key, _gradients.GradsAndVars] = {}
+  train_ops: Dict[_losses.Key, tf.Operation] = {}
+  applies = tf.constant(True, name="applies")
+  for key in keys:
+    # The last loss's step counts the global step: a step of all the
+    # losses runs their train ops in the dict's order.
+    step = _Step(opts[key], scales[key], clip_norm, average_device,
+                 pack_bytes, towers.all_reduce,
+                 global_step if key == keys[-1] else None)
+    if steps == 1:
+      # The update ops and the losses join the averaging barrier rather
+      # than wrapping apply_gradients in control_dependencies: optimizers
+      # such as SyncReplicasOptimizer build queues inside apply_gradients,
+      # and a queue that depended on the towers would pull an input batch
+      # whenever its queue runner touched it.
+      train_ops[key] = step(tower_grads[key], towers.weights,
+                            list(towers.update_ops) + every_loss)
+    else:
+      train_ops[key], applies = _accumulate.accumulate_gradients(
+          towers, step, steps)
+    applied[key] = step.applied
+  loss_scales = {key: scale.value for key, scale in scales.items()
+                 if scale is not None}
+  return _losses.unwrap(train_ops), towers._replace(
+      grads_and_vars=_losses.unwrap(applied), applies=applies,
+      loss_scale=_losses.unwrap(loss_scales) if loss_scales else None)
 
-  def step(tower_grads: List[_gradients.GradsAndVars],
-           weights: List[_gradients.Weight],
-           control_inputs: Sequence[object] = ()) -> tf.Operation:
+
+class _Step:
+  """One loss's step: average, unscale, clip, apply once (`apply_fn` for
+  `accumulate_gradients`); keeps the pairs it applied."""
+
+  def __init__(self, opt: tf.train.Optimizer,
+               scale: Optional[_loss_scale.LossScale],
+               clip_norm: Optional[float], average_device: Optional[str],
+               pack_bytes: int, all_reduce: Optional[str],
+               global_step: Optional[tf.Variable]):
+    self._opt = opt
+    self._scale = scale
+    self._clip_norm = clip_norm
+    self._average_device = average_device
+    self._pack_bytes = pack_bytes
+    self._all_reduce = all_reduce
+    self._global_step = global_step
+    self.applied: _gradients.GradsAndVars = []
+
+  def __call__(self, tower_grads: List[_gradients.GradsAndVars],
+               weights: List[_gradients.Weight],
+               control_inputs: Sequence[object] = ()) -> tf.Operation:
     grads = _gradients.average_gradients(
-        tower_grads, weights, device=average_device,
-        control_inputs=control_inputs, all_reduce=towers.all_reduce,
-        pack_bytes=pack_bytes)
-    if scale is not None:
-      grads, finite = scale.unscale(grads)
-    if clip_norm is not None:
-      grads = _clip_by_global_norm(grads, clip_norm)
-    applied.append(grads)
+        tower_grads, weights, device=self._average_device,
+        control_inputs=control_inputs, all_reduce=self._all_reduce,
+        pack_bytes=self._pack_bytes)
+    if self._scale is not None:
+      grads, finite = self._scale.unscale(grads)
+    if self._clip_norm is not None:
+      grads = _clip_by_global_norm(grads, self._clip_norm)
+    self.applied = grads
     # What apply_gradients does, with every copy's gradients built before a
     # loss scale's condition, so that only the update is conditional.
     groups = _apply.per_copy(grads)
 
     def apply() -> tf.Operation:
-      return _apply.apply_per_copy(_apply.original_apply(opt), groups,
-                                   global_step, None)
+      return _apply.apply_per_copy(_apply.original_apply(self._opt), groups,
+                                   self._global_step, None)
 
-    return apply() if scale is None else scale.apply(finite, apply)
-
-  if steps == 1:
-    # The update ops and the losses join the averaging barrier rather than
-    # wrapping apply_gradients in control_dependencies: optimizers such as
-    # SyncReplicasOptimizer build queues inside apply_gradients, and a queue
-    # that depended on the towers would pull an input batch whenever its
-    # queue runner touched it.
-    train_op = step(towers.tower_grads, towers.weights,
-                    list(towers.update_ops) + towers.losses)
-    applies = tf.constant(True, name="applies")
-  else:
-    train_op, applies = _accumulate.accumulate_gradients(towers, step, steps)
-  return train_op, towers._replace(
-      grads_and_vars=applied[0], applies=applies,
-      loss_scale=None if scale is None else scale.value)
+    return apply() if self._scale is None else self._scale.apply(finite,
+                                                                 apply)
 
 
 def _clip_by_global_norm(grads_and_vars: _gradients.GradsAndVars,

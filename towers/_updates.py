@@ -21,10 +21,10 @@ WRITES = frozenset(["AssignVariableOp", "AssignAddVariableOp",
                     "AssignSubVariableOp", "Assign", "AssignAdd", "AssignSub"])
 
 
-def collect(made: List[tf.Operation], scope: str, loss: tf.Tensor,
+def collect(made: List[tf.Operation], scope: str, losses: List[tf.Tensor],
             outputs: object) -> None:
   """Adds to ``UPDATE_OPS`` the writes of global variables among `made` (the
-  ops `model_fn` made) in `scope` that nothing runs: neither the loss, nor
+  ops `model_fn` made) in `scope` that nothing runs: neither the losses, nor
   `outputs`, a collection or a variable's initializer depends on them."""
   writes = [op for op in made if op.type in WRITES and
             op.name.startswith(scope)]
@@ -33,7 +33,7 @@ def collect(made: List[tf.Operation], scope: str, loss: tf.Tensor,
   graph = tf.get_default_graph()
   variables = (graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES) +
                graph.get_collection(tf.GraphKeys.LOCAL_VARIABLES))
-  roots = [loss.op] + list(_ops(tf.nest.flatten(outputs)))
+  roots = [loss.op for loss in losses] + list(_ops(tf.nest.flatten(outputs)))
   roots += [v.initializer for v in variables]
   for key in graph.get_all_collection_keys():
     roots.extend(_ops(graph.get_collection(key)))
