@@ -49,8 +49,10 @@ def split_inputs(inputs, num_shards: int, *, allow_empty: bool = False
     TypeError: if an input is not a tensor.
     ValueError: if the inputs are empty, have no batch axis, disagree on a
       static batch size, or (unless `allow_empty`) have a static batch
-      smaller than `num_shards`. A dynamic batch too small fails at run time
-      with ``tf.errors.InvalidArgumentError``.
+      smaller than `num_shards`. A dynamic batch too small, or one that
+      differs from a static one, fails at run time with
+      ``tf.errors.InvalidArgumentError``. One static batch size gives every
+      shard a static size, whatever the order of the inputs.
   """
   tensors = tf.nest.flatten(inputs)
   if not tensors:
@@ -69,8 +71,12 @@ def split_inputs(inputs, num_shards: int, *, allow_empty: bool = False
   static = [tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
             for t in tensors]
   with tf.name_scope("split_inputs"):
-    if all(s is not None for s in static):
+    if any(s is not None for s in static):
+      # One input's static size is the batch's: the others are checked
+      # against it at run time, and every shard keeps a static size.
       sizes, weights = _static_sizes(tensors, static, num_shards, allow_empty)
+      tensors = [t if s is not None else _checked_size(t, sizes, tensors)
+                 for t, s in zip(tensors, static)]
     else:
       sizes, weights = _dynamic_sizes(tensors, num_shards, allow_empty)
     shards = []
@@ -82,12 +88,13 @@ def split_inputs(inputs, num_shards: int, *, allow_empty: bool = False
 
 
 def _static_sizes(tensors, static, num_shards, allow_empty):
-  if len(set(static)) > 1:
+  known = [(t, s) for t, s in zip(tensors, static) if s is not None]
+  if len({s for _, s in known}) > 1:
     raise ValueError(
         "inputs disagree on the global batch size (axis 0): %s; every input "
         "must hold the same examples"
-        % ", ".join("%s has %d" % (t.name, s) for t, s in zip(tensors, static)))
-  batch = static[0]
+        % ", ".join("%s has %d" % (t.name, s) for t, s in known))
+  batch = known[0][1]
   if batch < num_shards and not allow_empty:
     raise ValueError(
         "the global batch of %d examples is smaller than num_gpus=%d: every "
@@ -96,6 +103,22 @@ def _static_sizes(tensors, static, num_shards, allow_empty):
   base, extra = divmod(batch, num_shards)
   sizes = [base + (1 if i < extra else 0) for i in range(num_shards)]
   return sizes, [s / batch if batch else 0.0 for s in sizes]
+
+
+def _checked_size(tensor: tf.Tensor, sizes: List[int],
+                  tensors: List[tf.Tensor]) -> tf.Tensor:
+  """`tensor`, whose batch size is known only at run time, checked there
+  against the static one."""
+  static = next(t for t in tensors
+                if tf.compat.dimension_value(t.shape[0]) is not None)
+  with tf.device(tensor.device):
+    check = tf.debugging.assert_equal(
+        tf.shape(tensor, out_type=tf.int32)[0], sum(sizes),
+        message="inputs disagree on the global batch size (axis 0): %s has "
+        "%d examples and %s another number" % (static.name, sum(sizes),
+                                               tensor.name))
+    with tf.control_dependencies([check]):
+      return tf.identity(tensor)
 
 
 def _dynamic_sizes(tensors, num_shards, allow_empty):
@@ -162,17 +185,18 @@ def total_size(inputs: Inputs,
 
 
 def batch_size(batch: List[object]) -> Optional[Weight]:
-  """Axis 0 of the first tensor of rank >= 1 in `batch`: a float when
-  static, else a scalar float32 tensor; None if it holds no such tensor."""
-  first = next((t for t in tf.nest.flatten(batch)
-                if isinstance(t, tf.Tensor) and t.shape.rank != 0), None)
-  if first is None:
+  """Axis 0 of the tensors of rank >= 1 in `batch`: a float when one's is
+  static, else a scalar float32 tensor (the first's); None if it holds no
+  such tensor."""
+  tensors = [t for t in tf.nest.flatten(batch)
+             if isinstance(t, tf.Tensor) and t.shape.rank != 0]
+  if not tensors:
     return None
-  static = tf.compat.dimension_value(first.shape[0]) \
-      if first.shape.rank else None
-  if static is not None:
-    return float(static)
-  return tf.cast(tf.shape(first)[0], tf.float32)
+  for t in tensors:
+    static = tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
+    if static is not None:
+      return float(static)
+  return tf.cast(tf.shape(tensors[0])[0], tf.float32)
 
 
 def tower_batch(inputs: Inputs, shards: Optional[List[object]],
