@@ -2,7 +2,7 @@
 
 import os
 import signal
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional, Union
 
 from absl import logging
 import tensorflow.compat.v1 as tf
@@ -29,7 +29,8 @@ class Interrupted(Exception):
     self.step = step
 
 
-def train(train_op: tf.Operation, t: towers.Towers, *, train_dir: str,
+def train(train_op: Union[tf.Operation, Dict[str, tf.Operation]],
+          t: towers.Towers, *, train_dir: str,
           max_steps: int, examples_per_step: float,
           summary_op: Optional[tf.Tensor] = None,
           config: Optional[tf.ConfigProto] = None,
@@ -53,7 +54,8 @@ def train(train_op: tf.Operation, t: towers.Towers, *, train_dir: str,
   `Watchdog` bounds every wait.
 
   Args:
-    train_op, t: the step and its `towers.Towers` (`towers.minimize`'s).
+    train_op, t: the step and its `towers.Towers` (`towers.minimize`'s);
+      a dict of train ops (several losses) runs them in turn, one run each.
     train_dir, max_steps: the checkpoints' directory; the step to stop at.
     examples_per_step: the examples of one update, for the step line.
     summary_op, config, hooks: the summaries, session config, more hooks.
@@ -115,6 +117,15 @@ def _run(train_op, t, directory: _traindir.TrainDir, *, max_steps,
          hooks, task, local_init_op, watchdog) -> int:
   """The session and its loop; see `train`."""
   train_dir = directory.path
+  ops = list(train_op.values()) if isinstance(train_op, dict) else [train_op]
+
+  def run_step(step_context):
+    # A step of several losses runs their train ops in turn; the hooks see
+    # the last run, which counts the global step.
+    for op in ops[:-1]:
+      step_context.session.run(op)
+    step_context.run_with_hooks(ops[-1])
+
   is_chief = task is None or task.is_chief
   # Collective mode cannot recover a session: a lost peer's collectives
   # cannot be replayed, so every worker stops instead.
@@ -152,7 +163,7 @@ def _run(train_op, t, directory: _traindir.TrainDir, *, max_steps,
           else None,
           stop_grace_period_secs=120 if task is None else 5) as sess:
         while not sess.should_stop() and signals.received is None:
-          sess.run(train_op)
+          sess.run_step_fn(run_step)
         if watchdog is not None:
           watchdog.closing()
     finally:

@@ -2,7 +2,7 @@
 
 import math
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from absl import logging
 import tensorflow.compat.v1 as tf
@@ -39,17 +39,24 @@ def training_summaries(t: towers.Towers,
     summaries = list(t.summaries)
     if learning_rate is not None:
       summaries.append(_scalar("learning_rate", learning_rate))
-    summaries.append(_scalar("loss", t.loss))
+    summaries.extend(_scalar(tag, value)
+                     for tag, value in _by_loss("loss", t.loss))
     if t.loss_scale is not None:
-      summaries.append(_scalar("loss_scale", t.loss_scale))
+      summaries.extend(_scalar(tag, value)
+                       for tag, value in _by_loss("loss_scale", t.loss_scale))
     gradients = []
-    for grad, var in t.grads_and_vars or []:
-      summaries.append(_histogram(var.op.name, var))
-      if grad is not None:
-        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-        if t.loss_scale is not None:
-          values = tf.boolean_mask(values, tf.is_finite(values))
-        gradients.append((var.op.name + "/gradients", values))
+    pairs = t.grads_and_vars or []
+    for key, key_pairs in (pairs.items() if isinstance(pairs, dict)
+                           else [(None, pairs)]):
+      scaled = t.loss_scale is not None and (
+          not isinstance(t.loss_scale, dict) or key in t.loss_scale)
+      for grad, var in key_pairs:
+        summaries.append(_histogram(var.op.name, var))
+        if grad is not None:
+          values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+          if scaled:
+            values = tf.boolean_mask(values, tf.is_finite(values))
+          gradients.append((var.op.name + "/gradients", values))
 
     def gradient_histograms() -> List[tf.Tensor]:
       return [_histogram(tag, values) for tag, values in gradients]
@@ -63,6 +70,13 @@ def training_summaries(t: towers.Towers,
           applies, lambda: tf.summary.merge(gradient_histograms()),
           lambda: tf.constant(b"")))
     return tf.summary.merge(summaries)
+
+
+def _by_loss(tag: str, value) -> List[Tuple[str, tf.Tensor]]:
+  """``[(tag, value)]``, or for several losses ``[(tag/key, value)]``."""
+  if isinstance(value, dict):
+    return [("%s/%s" % (tag, key), each) for key, each in value.items()]
+  return [(tag, value)]
 
 
 def _applies(t: towers.Towers) -> Optional[tf.Tensor]:
@@ -86,7 +100,8 @@ class StepLoggerHook(tf.train.SessionRunHook):
   ``step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)``: examples/sec
   counts `examples_per_step`, and sec/batch is the step's time over the
   number of towers, as in the tutorial. Under loss scaling the line ends
-  with ``, loss scale = %g``. With accumulated micro-batches a step is a run
+  with ``, loss scale = %g``; several losses show as ``loss d = %.2f, g =
+  %.2f``. With accumulated micro-batches a step is a run
   that applies an update (`towers.Towers.applies`), and the loss is that
   run's micro-batch's. Needs the graph's global step.
 
@@ -147,12 +162,14 @@ class StepLoggerHook(tf.train.SessionRunHook):
                          for k in ("loss", "global_step"))
     applied = run_values.results.get("applies", True)
     loss_scale = run_values.results.get("loss_scale")
-    loss = float(loss)
-    if math.isnan(loss):
-      raise FloatingPointError(
-          "loss is NaN at step %d: training stopped, nothing saved from this "
-          "step (lower the learning rate, or check the input); the last "
-          "checkpoint is kept" % (self._step + 1))
+    losses = loss if isinstance(loss, dict) else {None: loss}
+    for key, value in losses.items():
+      if math.isnan(float(value)):
+        raise FloatingPointError(
+            "loss%s is NaN at step %d: training stopped, nothing saved from "
+            "this step (lower the learning rate, or check the input); the "
+            "last checkpoint is kept"
+            % ("" if key is None else " %r" % (key,), self._step + 1))
     if not applied:
       return
     # Alone, a process counts its own steps (the global step it fetched may
@@ -163,8 +180,18 @@ class StepLoggerHook(tf.train.SessionRunHook):
     if self._runs % self._every == 0:
       duration = (time.time() - self._start) / self._every
       self._start = time.time()
-      logging.info("step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)%s",
-                   self._step, loss, self._examples_per_step / duration,
+      logging.info("step %d, %s (%.1f examples/sec; %.3f sec/batch)%s",
+                   self._step, _values("loss", losses, "%.2f"),
+                   self._examples_per_step / duration,
                    duration / self._num_towers,
                    "" if loss_scale is None else
-                   ", loss scale = %g" % loss_scale)
+                   ", " + _values("loss scale", loss_scale, "%g"))
+
+
+def _values(name: str, values, spec: str) -> str:
+  """``loss = 0.12``, or for several losses ``loss d = 0.12, g = 3.40``."""
+  if not isinstance(values, dict) or list(values) == [None]:
+    value = values[None] if isinstance(values, dict) else values
+    return ("%s = " + spec) % (name, value)
+  return "%s %s" % (name, ", ".join(("%s = " + spec) % (key, value)
+                                     for key, value in values.items()))
