@@ -96,6 +96,24 @@ SETUPS = {
         next_batch = tf.data.make_one_shot_iterator(
             tf.data.Dataset.from_tensors(batch).repeat()).get_next
         """),
+    # Several losses: a generator, a discriminator, noise beside the images.
+    "discriminator(images)": textwrap.dedent("""
+        z = tf.constant(rng.randn(32, 8).astype(np.float32))
+        d_opt = tf.train.MomentumOptimizer(0.05, 0.9)
+        g_opt = tf.train.GradientDescentOptimizer(0.05)
+
+        def generator(z):
+          with tf.variable_scope("generator"):
+            return tf.tanh(tf.matmul(z, tf.get_variable("w", [8, 784])))
+
+        def discriminator(x):
+          with tf.variable_scope("discriminator", reuse=tf.AUTO_REUSE):
+            return tf.matmul(x, tf.get_variable("w", [784, 1]))
+
+        def xent(logits, label):
+          return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+              labels=tf.fill(tf.shape(logits), label), logits=logits))
+        """),
     # The runner's pieces: a training directory of its own.
     "with training.TrainDir(train_dir) as guard:": textwrap.dedent("""
         import tempfile
@@ -127,6 +145,15 @@ SETUPS = {
         """),
 }
 EPILOGUES = {
+    "d_op = d_opt.apply_gradients": textwrap.dedent("""
+        with tf.Session(config=towers.virtual_cpu_config(2)) as sess:
+          sess.run(tf.global_variables_initializer())
+          first = sess.run(t.loss)
+          for _ in range(5):
+            sess.run(d_op)
+          last = sess.run(t.loss)
+        assert last["d"] < first["d"], (first, last)
+        """),
     "tf.estimator.Estimator(": textwrap.dedent("""
         def input_fn():
           x = np.random.RandomState(0).rand(32, 8).astype(np.float32)

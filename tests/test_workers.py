@@ -223,6 +223,25 @@ def test_every_regularizer_style_trains_across_workers_as_on_one_device(
   assert all(r["copies_gap"] == 0.0 for r in results[:2])
 
 
+def test_a_gan_trains_across_workers_as_on_one_device(pytestconfig, tmp_path):
+  # D step then G step, each all-reduced over every worker's towers, the
+  # generator's batch norm synchronized across them; the one device is one
+  # tower holding the whole global batch.
+  flags = ("--model", "gan", "--steps", 3)
+  procs = _cluster(pytestconfig, tmp_path, "w", 2, flags=flags)
+  procs.append(_start(pytestconfig, tmp_path / "one.npz", *flags, "--towers",
+                      1, "--per_tower", 16, "--variable_device", "cpu"))
+  results = _finish(procs)
+  chief, one = _load(tmp_path / "w0.npz"), _load(tmp_path / "one.npz")
+  assert sorted(chief) == sorted(one)
+  assert {"g_w1", "g_bn/moving_mean", "d_w1", "d_w1/Momentum"} <= set(chief)
+  assert _gap(chief, one) <= 1e-5
+  assert float(np.max(np.abs(one["g_w2"][-1] - one["g_w2"][0]))) > 1e-3
+  assert _gap(chief, _load(tmp_path / "w1.npz")) == 0.0
+  assert all(r["copies_gap"] == 0.0 and r["global_step"] == 3
+             for r in results)
+
+
 def test_a_missing_peer_fails_the_step_under_the_operation_timeout(
     pytestconfig, tmp_path):
   # Worker 0 (the group leader) alone: its first collective waits for

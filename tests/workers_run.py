@@ -2,8 +2,10 @@
 loopback (``--ports``), or the one-worker reference (no ``--ports``).
 
 It trains a small model (a dense layer, an embedding whose gradient is
-sparse, a synchronized batch norm, Momentum; or, with ``--model
-regularized``, layers that every weight-regularizer style decays) on a fixed
+sparse, a synchronized batch norm, Momentum; with ``--model regularized``,
+layers that every weight-regularizer style decays; with ``--model gan``, a
+generator with synchronized batch norm and a discriminator, each step a D
+update with Momentum then a G update with SGD) on a fixed
 global batch per step (``--accumulate_steps`` of them per update), worker
 ``k`` taking the ``k``-th slice, and writes every global variable after
 each update to
@@ -40,7 +42,7 @@ def main() -> None:
   parser.add_argument("--variable_device", default="replicated")
   parser.add_argument("--accumulate_steps", type=int, default=1)
   parser.add_argument("--per_tower", type=int, default=PER_TOWER)
-  parser.add_argument("--model", choices=["batch_norm", "regularized"],
+  parser.add_argument("--model", choices=["batch_norm", "regularized", "gan"],
                       default="batch_norm")
   parser.add_argument("--ref-variables", action="store_true")
   args = parser.parse_args()
@@ -72,7 +74,9 @@ def main() -> None:
 
   init = np.random.RandomState(args.init_seed)
   values = {"w1": init.randn(6, 8), "emb": init.randn(10, 8),
-            "w2": init.randn(8, 3), "w3": init.randn(8, 8) * 0.3}
+            "w2": init.randn(8, 3), "w3": init.randn(8, 8) * 0.3,
+            "g_w1": init.randn(6, 8) * 0.5, "g_w2": init.randn(8, 3) * 0.5,
+            "d_w1": init.randn(3, 8) * 0.5, "d_w2": init.randn(8, 1) * 0.5}
   per_worker = args.towers * args.per_tower
   x = tf.placeholder(tf.float32, [per_worker, 6])
   ids = tf.placeholder(tf.int32, [per_worker])
@@ -88,18 +92,27 @@ def main() -> None:
     logits = tf.matmul(hidden, variable("w2"))
     return tf.losses.sparse_softmax_cross_entropy(y, logits)
 
+  opt = tf.train.MomentumOptimizer(0.1, 0.9)
+  kwargs = {}
   if args.model == "regularized":
     model_fn = regularized_model(values, variable)
+  elif args.model == "gan":
+    model_fn = gan_model(variable)
+    opt = {"d": opt, "g": tf.train.GradientDescentOptimizer(0.2)}
+    kwargs["var_list"] = {"d": "d_", "g": "g_"}
 
   with tf.device(task + "/cpu:0" if task else "/cpu:0"):
     global_step = tf.train.get_or_create_global_step()
   train_op, _ = towers.minimize(
-      model_fn, tf.train.MomentumOptimizer(0.1, 0.9), args.towers,
+      model_fn, opt, args.towers,
       inputs=(x, ids, y), devices=devices,
       variable_device=args.variable_device,
       all_reduce="collective" if args.variable_device == "replicated"
       else "auto", num_workers=workers, global_step=global_step,
-      accumulate_steps=args.accumulate_steps)
+      accumulate_steps=args.accumulate_steps, **kwargs)
+  # Several losses: their train ops in turn, one run each.
+  train_ops = list(train_op.values()) if isinstance(train_op, dict) \
+      else [train_op]
   with tf.control_dependencies([tf.train.Scaffold.default_local_init_op()]):
     sync = towers.broadcast_variables()
   saver = tf.train.Saver()
@@ -131,8 +144,9 @@ def main() -> None:
         feed_ids = data.randint(0, 10, batch).astype(np.int32)
         feed_y = data.randint(0, 3, batch).astype(np.int32)
         part = slice(args.task * per_worker, (args.task + 1) * per_worker)
-        sess.run(train_op, {x: feed_x[part], ids: feed_ids[part],
-                            y: feed_y[part]})
+        for op in train_ops:
+          sess.run(op, {x: feed_x[part], ids: feed_ids[part],
+                        y: feed_y[part]})
     if args.save:
       saver.save(sess, args.save, write_meta_graph=False)
     final_step = int(sess.run(global_step))
@@ -176,6 +190,32 @@ def regularized_model(values, variable):
     tf.losses.sparse_softmax_cross_entropy(y, logits)
     return (tf.add_n(tf.get_collection("losses", scope)) +
             tf.losses.get_regularization_loss() + tf.add_n(dense.losses))
+
+  return model_fn
+
+
+def gan_model(variable):
+  """A GAN: noise `x` through the generator (synchronized batch norm), the
+  discriminator on it and on the one-hot labels as the real data."""
+
+  def discriminator(data):
+    with tf.variable_scope("", reuse=tf.AUTO_REUSE):
+      hidden = tf.nn.leaky_relu(tf.matmul(data, variable("d_w1")))
+      return tf.matmul(hidden, variable("d_w2"))
+
+  def xent(logits, label):
+    return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+        labels=tf.fill(tf.shape(logits), label), logits=logits))
+
+  def model_fn(_, x, ids, y):
+    del ids
+    hidden = towers.batch_normalization(tf.matmul(x, variable("g_w1")),
+                                        training=True, name="g_bn")
+    fake = tf.nn.softmax(tf.matmul(tf.nn.relu(hidden), variable("g_w2")))
+    real = tf.one_hot(y, 3)
+    d_real, d_fake = discriminator(real), discriminator(fake)
+    return {"d": xent(d_real, 1.0) + xent(d_fake, 0.0),
+            "g": xent(d_fake, 1.0)}
 
   return model_fn
 

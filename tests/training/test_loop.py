@@ -11,6 +11,7 @@ import time
 import pytest
 import tensorflow.compat.v1 as tf
 
+import towers
 from towers import training
 
 
@@ -230,3 +231,43 @@ def test_a_users_own_loop_is_guarded_and_stops_saved_on_sigterm(
   assert "Traceback" not in err
   with training.TrainDir(train_dir) as directory:  # Released.
     assert directory.global_step == steps
+
+
+def test_a_dict_of_train_ops_runs_each_in_turn_as_one_step(tmp_path,
+                                                           absl_logs):
+  # Two losses, each with its own variable: a step runs "a" then "b", the
+  # hooks (step count, log line, stop) see the last run.
+  with tf.Graph().as_default():
+    x = tf.constant([[1.0], [2.0], [3.0], [4.0]])
+
+    def model_fn(scope, x):
+      del scope
+      a = tf.get_variable("a", [], initializer=tf.zeros_initializer())
+      b = tf.get_variable("b", [], initializer=tf.zeros_initializer())
+      return {"a": tf.reduce_mean(tf.square(x - a)),
+              "b": tf.reduce_mean(tf.square(x * a - b))}
+
+    global_step = tf.train.get_or_create_global_step()
+    opts = {key: tf.train.GradientDescentOptimizer(0.1) for key in "ab"}
+    train_ops, t = towers.minimize(model_fn, opts, 2, inputs=x,
+                                   devices=["/cpu:0", "/cpu:1"],
+                                   var_list={"a": "a", "b": "b"},
+                                   global_step=global_step)
+    runs = _Runs()
+    assert training.train(
+        train_ops, t, train_dir=str(tmp_path / "train"), max_steps=3,
+        examples_per_step=4, config=towers.virtual_cpu_config(2),
+        log_every_n_steps=1, hooks=[runs]) == 3
+  assert runs.count == 3
+  lines = [m for m in absl_logs() if m.startswith("step ")]
+  assert [re.match(r"step (\d+), loss a = \d+\.\d+, b = \d+\.\d+ \(",
+                   m).group(1) for m in lines] == ["1", "2", "3"], lines
+  reader = tf.train.load_checkpoint(str(tmp_path / "train"))
+  # Each step's "b" update reads "a" as that step's "a" update left it.
+  a = b = 0.0
+  for _ in range(3):
+    a -= 0.1 * 2 * (a - 2.5)
+    b += 0.1 * 2 * (2.5 * a - b)
+  assert abs(reader.get_tensor("a") - a) < 1e-5
+  assert abs(reader.get_tensor("b") - b) < 1e-5
+  assert reader.get_tensor("global_step") == 3
