@@ -271,3 +271,23 @@ def test_a_dict_of_train_ops_runs_each_in_turn_as_one_step(tmp_path,
   assert abs(reader.get_tensor("a") - a) < 1e-5
   assert abs(reader.get_tensor("b") - b) < 1e-5
   assert reader.get_tensor("global_step") == 3
+
+
+def test_a_dict_of_train_ops_with_parameter_servers_is_refused(tmp_path):
+  # A real worker task of a cluster with one ps, both served here.
+  ps_port, worker_port = training.free_ports(2)
+  ps_hosts, worker_hosts = (["127.0.0.1:%d" % ps_port],
+                            ["127.0.0.1:%d" % worker_port])
+  tf.train.Server(tf.train.ClusterSpec({"ps": ps_hosts,
+                                        "worker": worker_hosts}),
+                  job_name="ps", task_index=0)
+  task = training.start_task(ps_hosts, worker_hosts, "worker", 0, 2,
+                             startup_timeout_secs=30)
+  assert not task.collective
+  with tf.Graph().as_default():
+    op = tf.no_op()
+    with pytest.raises(ValueError, match=r"dict of train ops \('d', 'g'\).*"
+                       r"with parameter servers"):
+      training.train({"d": op, "g": op}, None, train_dir=str(tmp_path),
+                     max_steps=1, examples_per_step=1, task=task)
+  assert not os.listdir(tmp_path)  # Refused before the directory is used.

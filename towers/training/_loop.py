@@ -68,9 +68,18 @@ def train(train_op: Union[tf.Operation, Dict[str, tf.Operation]],
   Raises:
     TrainDirError: for a training directory it cannot train in.
     Interrupted: after SIGTERM or SIGINT, once the chief has saved.
+    ValueError: for a dict of train ops with parameter servers.
     FloatingPointError: if the loss becomes NaN.
     PeerLost: when a step fails or stalls on another task.
   """
+  if isinstance(train_op, dict) and task is not None and not task.collective:
+    raise ValueError(
+        "train runs a dict of train ops (%s) as one step of several session "
+        "runs, but with parameter servers a lost ps recovers the session "
+        "mid-step, and TensorFlow's run_step_fn would go on with the closed "
+        "one; run the train ops in your own MonitoredTrainingSession loop, or "
+        "train in a collective cluster (no ps)"
+        % ", ".join(map(repr, train_op)))
   is_chief = task is None or task.is_chief
   with _traindir.TrainDir(train_dir, is_chief=is_chief) as directory:
     if directory.finished(max_steps):
@@ -163,7 +172,10 @@ def _run(train_op, t, directory: _traindir.TrainDir, *, max_steps,
           else None,
           stop_grace_period_secs=120 if task is None else 5) as sess:
         while not sess.should_stop() and signals.received is None:
-          sess.run_step_fn(run_step)
+          if len(ops) == 1:
+            sess.run(ops[0])
+          else:
+            sess.run_step_fn(run_step)
         if watchdog is not None:
           watchdog.closing()
     finally:
