@@ -23,7 +23,7 @@ def test_the_dcgan_trains_200_steps_and_writes_its_grid_of_digits(tmp_path):
   done = subprocess.run(
       [sys.executable,
        os.path.join(EXAMPLES, "dcgan_mnist_multi_gpu_train.py"),
-       "--num_gpus=2", "--fake_data", "--max_steps=200", "--batch_size=16",
+       "--num_gpus=2", "--fake_data", "--max_steps=200", "--batch_size=4",
        "--log_frequency=50", "--save_summaries_steps=100",
        "--train_dir=" + train_dir],
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True,
