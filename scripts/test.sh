@@ -187,9 +187,11 @@ PY
 }
 
 # Tests that do not depend on the kind of variables run once per environment,
-# under resource variables (the training runner's among them).
+# under resource variables (the training runner's among them; the docs'
+# snippets, which run in processes of their own under resource variables).
 once_only=(--ignore=tests/test_tensorboard.py
            --ignore=tests/test_commands.py
+           --ignore=tests/test_snippets.py
            --ignore=tests/training)
 
 for env in "${envs[@]}"; do
