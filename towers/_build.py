@@ -112,11 +112,11 @@ def build_towers(model_fn: Callable[..., object],
       compute_gradients_kwargs.pop("var_list", None), keys)
   compute_gradients_kwargs.setdefault("gate_gradients",
                                       tf.train.Optimizer.GATE_NONE)
-  replicated = False
   for each in opts.values():
-    replicated = _check_replicated(variable_device, all_reduce, each)
+    _check_replicated(variable_device, all_reduce, each)
     # The seed's opt.apply_gradients(...) then updates every copy.
     _apply.route(each)
+  replicated = variable_device == _placement.REPLICATED
   if num_workers != 1:
     mine = _tower_loop.check_devices(devices, num_gpus)
     num_workers = _workers.check(num_workers, mine, replicated, all_reduce)
@@ -141,9 +141,8 @@ def build_towers(model_fn: Callable[..., object],
       _copies.read_copies(index, devices[index], scope, made_by_model)
     # Weight decay's ops next to their variables, not on the tower (a
     # replicated tower's copies are on its own device already).
-    terms: Dict[str, str] = {}
-    for loss in losses.values() if not replicated else ():
-      terms.update(_regularization.place(loss, batch, scope))
+    terms = {} if replicated else _regularization.place(
+        list(losses.values()), batch, scope)
     # The gradients, and so every reduction of them, wait for the check.
     for loss in losses.values():
       _device_check.gate(loss, check)

@@ -24,6 +24,7 @@ from towers import _shares
 Gradient = _reduction.Gradient
 GradsAndVars = List[Tuple[Optional[Gradient], tf.Variable]]
 Weight = _reduction.Weight
+tensors = _reduction.tensors
 
 
 def average_gradients(tower_grads: Sequence[GradsAndVars],
@@ -154,15 +155,6 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
     for j, var in enumerate(copies):
       groups[j].append((averaged[i][j], var))
   return [group for group in groups if group]
-
-
-def tensors(grad: Optional[Gradient]) -> List[tf.Tensor]:
-  """The tensors a gradient is made of (none for None)."""
-  if grad is None:
-    return []
-  if isinstance(grad, tf.IndexedSlices):
-    return [grad.values, grad.indices]
-  return [grad]
 
 
 def _var_name(var) -> str:

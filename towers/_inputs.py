@@ -75,7 +75,8 @@ def split_inputs(inputs, num_shards: int, *, allow_empty: bool = False
       # One input's static size is the batch's: the others are checked
       # against it at run time, and every shard keeps a static size.
       sizes, weights = _static_sizes(tensors, static, num_shards, allow_empty)
-      tensors = [t if s is not None else _checked_size(t, sizes, tensors)
+      known = tensors[[s is not None for s in static].index(True)]
+      tensors = [t if s is not None else _checked_size(t, sum(sizes), known)
                  for t, s in zip(tensors, static)]
     else:
       sizes, weights = _dynamic_sizes(tensors, num_shards, allow_empty)
@@ -105,17 +106,15 @@ def _static_sizes(tensors, static, num_shards, allow_empty):
   return sizes, [s / batch if batch else 0.0 for s in sizes]
 
 
-def _checked_size(tensor: tf.Tensor, sizes: List[int],
-                  tensors: List[tf.Tensor]) -> tf.Tensor:
+def _checked_size(tensor: tf.Tensor, batch: int,
+                  known: tf.Tensor) -> tf.Tensor:
   """`tensor`, whose batch size is known only at run time, checked there
-  against the static one."""
-  static = next(t for t in tensors
-                if tf.compat.dimension_value(t.shape[0]) is not None)
+  against `known`'s static `batch`."""
   with tf.device(tensor.device):
     check = tf.debugging.assert_equal(
-        tf.shape(tensor, out_type=tf.int32)[0], sum(sizes),
+        tf.shape(tensor, out_type=tf.int32)[0], batch,
         message="inputs disagree on the global batch size (axis 0): %s has "
-        "%d examples and %s another number" % (static.name, sum(sizes),
+        "%d examples and %s another number" % (known.name, batch,
                                                tensor.name))
     with tf.control_dependencies([check]):
       return tf.identity(tensor)

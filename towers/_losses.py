@@ -219,16 +219,14 @@ def _resolve(key: Key, entry: object,
     return found
   if callable(entry):
     found = entry()
-    if isinstance(found, (tf.Variable, str)) or not isinstance(
-        found, (list, tuple)):
+    if not isinstance(found, (list, tuple)):
       raise TypeError("expected %s, a callable, to return a list of "
                       "variables, got %r" % (where, found))
     if not found:
       raise ValueError("%s, a callable, returned no variable once tower 0 "
                        "had made them" % where)
     return list(found)
-  if isinstance(entry, (list, tuple)) or (
-      hasattr(entry, "__iter__") and not isinstance(entry, tf.Variable)):
+  if hasattr(entry, "__iter__") and not isinstance(entry, tf.Variable):
     return list(entry)  # type: ignore[call-overload]
   raise TypeError(
       "expected %s to be a name prefix, a list of variables or a callable "

@@ -143,6 +143,15 @@ def _sparse_mean(present: List[tf.IndexedSlices], weights: List[Weight],
          ] * len(devices)
 
 
+def tensors(grad: Optional[Gradient]) -> List[tf.Tensor]:
+  """The tensors a gradient is made of (none for None)."""
+  if grad is None:
+    return []
+  if isinstance(grad, tf.IndexedSlices):
+    return [grad.values, grad.indices]
+  return [grad]
+
+
 def is_uniform(weights: Sequence[Weight]) -> bool:
   """Whether `weights` are Python numbers, all equal."""
   return all(isinstance(w, numbers.Real) for w in weights) and (

@@ -38,8 +38,10 @@ _GRADIENT_OF = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad(?:_\d+)?/")
 Parts = Tuple[tf.Tensor, List[tf.Tensor]]
 
 
-def place(loss: tf.Tensor, batch: object, scope: str) -> Dict[str, str]:
-  """Moves the variables-only terms of a tower's loss next to their variables.
+def place(losses: Sequence[tf.Tensor], batch: object,
+          scope: str) -> Dict[str, str]:
+  """Moves the variables-only terms of a tower's losses next to their
+  variables.
 
   A term is a scalar computed from variables and constants alone that an op
   computed from data reads (``loss = xent + decay``). An op of it moves if
@@ -57,10 +59,11 @@ def place(loss: tf.Tensor, batch: object, scope: str) -> Dict[str, str]:
              if _isolation.is_source(op) and (
                  op.name.startswith(scope) or op.type.startswith(
                      "Placeholder")) for t in op.outputs]
-  data = _isolation.descendants(starts) | {loss.op}
+  data = _isolation.descendants(starts) | {loss.op for loss in losses}
+  reached = {op for loss in losses for op in _isolation.ancestors(loss.op)}
   # pylint: disable-next=protected-access
-  free = sorted((op for op in _isolation.ancestors(loss.op)
-                 if op not in data), key=lambda op: op._id)
+  free = sorted((op for op in reached if op not in data),
+                key=lambda op: op._id)
   names = {op.name for op in free}
   # Consumers first: an op is part of a term if data reads it as a scalar,
   # or if it feeds only ops of terms.

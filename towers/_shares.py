@@ -12,11 +12,10 @@ unknown, and a plain mean would be silently off.
 import numbers
 from typing import List, Optional, Sequence, Set, Tuple
 
-import tensorflow.compat.v1 as tf
-
+from towers import _reduction
 from towers import _state
 
-Weight = object
+Weight = _reduction.Weight
 
 
 def record(tower_grads: Sequence[Sequence[Tuple[object, object]]],
@@ -28,7 +27,7 @@ def record(tower_grads: Sequence[Sequence[Tuple[object, object]]],
   state.share_records.append(list(weights))
   for tower, pairs in enumerate(tower_grads):
     for grad, _ in pairs:
-      for tensor in _tensors(grad):
+      for tensor in _reduction.tensors(grad):
         state.shares[tensor.name] = (index, tower)
 
 
@@ -45,16 +44,19 @@ def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
   found: List[Set[Tuple[int, int]]] = []
   for pairs in tower_grads:
     found.append({state.shares[t.name] for grad, _ in pairs
-                  for t in _tensors(grad) if t.name in state.shares})
+                  for t in _reduction.tensors(grad)
+                  if t.name in state.shares})
   marks = [next(iter(f)) for f in found if len(f) == 1]
   if len(marks) == len(found) and len({r for r, _ in marks}) == 1:
     shares = state.share_records[marks[0][0]]
     towers = [t for _, t in marks]
     if sorted(towers) == list(range(len(shares))):
-      return None if _equal(shares) else [shares[t] for t in towers]
+      if _reduction.is_uniform(shares):
+        return None
+      return [shares[t] for t in towers]
   touched = {r for f in found for r, _ in f}
   uneven = [r for r, shares in enumerate(state.share_records)
-            if not _equal(shares) and (
+            if not _reduction.is_uniform(shares) and (
                 r in touched or (not touched and
                                  len(shares) == len(tower_grads)))]
   if not uneven:
@@ -69,20 +71,8 @@ def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
       % (len(tower_grads), _describe(shares)))
 
 
-def _equal(shares: Sequence[Weight]) -> bool:
-  return all(isinstance(s, numbers.Real) for s in shares) and (
-      max(shares) - min(shares) <= 1e-12)  # type: ignore[type-var, operator]
-
-
 def _describe(shares: Sequence[Weight]) -> str:
   if all(isinstance(s, numbers.Real) for s in shares):
     return ", ".join("%.4g" % s for s in shares)  # type: ignore[str-format]
   return "known at run time"
 
-
-def _tensors(grad: object) -> List[tf.Tensor]:
-  if isinstance(grad, tf.IndexedSlices):
-    return [grad.values, grad.indices]
-  if isinstance(grad, tf.Tensor):
-    return [grad]
-  return []

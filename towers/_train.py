@@ -70,6 +70,7 @@ def minimize(model_fn: Callable[..., object],
   compute_dtype = _precision.check_compute_dtype(
       build_towers_kwargs.get("compute_dtype"))
   scales: Dict[_losses.Key, Optional[_loss_scale.LossScale]] = {}
+  scaled: Dict[_losses.Key, object] = {}
   for key, each in opts.items():
     if steps > 1 and isinstance(each, tf.train.SyncReplicasOptimizer):
       raise ValueError(
@@ -78,10 +79,7 @@ def minimize(model_fn: Callable[..., object],
           "aggregate more gradients per update with its replicas_to_aggregate "
           "instead, or drop accumulate_steps" % steps)
     spec = _loss_scale.check(loss_scale, each, compute_dtype)
-    scales[key] = None if spec is None else _loss_scale.LossScale(spec)
-  scaled = {}
-  for key, each in opts.items():
-    scale = scales[key]
+    scale = scales[key] = None if spec is None else _loss_scale.LossScale(spec)
     scaled[key] = each if scale is None else _loss_scale.ScaledGradients(
         each, scale)
   towers = _build.build_towers(model_fn, _losses.unwrap(scaled), num_gpus,

@@ -2,7 +2,7 @@
 
 import math
 import time
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from absl import logging
 import tensorflow.compat.v1 as tf
@@ -39,22 +39,17 @@ def training_summaries(t: towers.Towers,
     summaries = list(t.summaries)
     if learning_rate is not None:
       summaries.append(_scalar("learning_rate", learning_rate))
-    summaries.extend(_scalar(tag, value)
-                     for tag, value in _by_loss("loss", t.loss))
-    if t.loss_scale is not None:
-      summaries.extend(_scalar(tag, value)
-                       for tag, value in _by_loss("loss_scale", t.loss_scale))
+    scales = {} if t.loss_scale is None else _by_loss(t.loss_scale)
+    for name, by_key in (("loss", _by_loss(t.loss)), ("loss_scale", scales)):
+      summaries.extend(_scalar(name if key is None else "%s/%s" % (name, key),
+                               value) for key, value in by_key.items())
     gradients = []
-    pairs = t.grads_and_vars or []
-    for key, key_pairs in (pairs.items() if isinstance(pairs, dict)
-                           else [(None, pairs)]):
-      scaled = t.loss_scale is not None and (
-          not isinstance(t.loss_scale, dict) or key in t.loss_scale)
-      for grad, var in key_pairs:
+    for key, pairs in _by_loss(t.grads_and_vars or []).items():
+      for grad, var in pairs:
         summaries.append(_histogram(var.op.name, var))
         if grad is not None:
           values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-          if scaled:
+          if key in scales:
             values = tf.boolean_mask(values, tf.is_finite(values))
           gradients.append((var.op.name + "/gradients", values))
 
@@ -72,11 +67,10 @@ def training_summaries(t: towers.Towers,
     return tf.summary.merge(summaries)
 
 
-def _by_loss(tag: str, value) -> List[Tuple[str, tf.Tensor]]:
-  """``[(tag, value)]``, or for several losses ``[(tag/key, value)]``."""
-  if isinstance(value, dict):
-    return [("%s/%s" % (tag, key), each) for key, each in value.items()]
-  return [(tag, value)]
+def _by_loss(value) -> Dict[Optional[str], Any]:
+  """`value` by loss: a dict of several losses' as it is, else ``{None:
+  value}``."""
+  return dict(value) if isinstance(value, dict) else {None: value}
 
 
 def _applies(t: towers.Towers) -> Optional[tf.Tensor]:
@@ -162,7 +156,7 @@ class StepLoggerHook(tf.train.SessionRunHook):
                          for k in ("loss", "global_step"))
     applied = run_values.results.get("applies", True)
     loss_scale = run_values.results.get("loss_scale")
-    losses = loss if isinstance(loss, dict) else {None: loss}
+    losses = _by_loss(loss)
     for key, value in losses.items():
       if math.isnan(float(value)):
         raise FloatingPointError(
@@ -185,13 +179,12 @@ class StepLoggerHook(tf.train.SessionRunHook):
                    self._examples_per_step / duration,
                    duration / self._num_towers,
                    "" if loss_scale is None else
-                   ", " + _values("loss scale", loss_scale, "%g"))
+                   ", " + _values("loss scale", _by_loss(loss_scale), "%g"))
 
 
-def _values(name: str, values, spec: str) -> str:
+def _values(name: str, values: Dict[Optional[str], Any], spec: str) -> str:
   """``loss = 0.12``, or for several losses ``loss d = 0.12, g = 3.40``."""
-  if not isinstance(values, dict) or list(values) == [None]:
-    value = values[None] if isinstance(values, dict) else values
-    return ("%s = " + spec) % (name, value)
+  if list(values) == [None]:
+    return ("%s = " + spec) % (name, values[None])
   return "%s %s" % (name, ", ".join(("%s = " + spec) % (key, value)
                                      for key, value in values.items()))
