@@ -26,6 +26,7 @@ import os
 from absl import app
 from absl import flags
 
+import common
 from towers import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,6 +47,7 @@ flags.DEFINE_float("stop_grace_secs", 30, "Seconds the workers get to save "
 
 
 def main(argv):
+  common.log_tensorflow_through_absl()
   script = FLAGS.script or os.path.join(HERE, "mnist_multi_gpu_train.py")
   return training.run_local_cluster(script, FLAGS.num_ps, FLAGS.num_workers,
                                     argv[1:], FLAGS.stop_grace_secs)

@@ -99,9 +99,14 @@ def legacy_keras_run(pytestconfig, legacy_keras_env):
   return run
 
 
+# The loggers of the library (TensorFlow's) and of the examples (absl's).
+LOGGERS = ("absl", "tensorflow")
+
+
 @pytest.fixture
-def absl_logs(caplog):
-  """The messages absl.logging emitted at INFO and above, so far."""
-  caplog.set_level(logging.INFO, logger="absl")
+def logs(caplog):
+  """The messages `LOGGERS` logged at INFO and above, so far."""
+  for name in LOGGERS:
+    caplog.set_level(logging.INFO, logger=name)
   return lambda: [r.getMessage() for r in caplog.records
-                  if r.name == "absl"]
+                  if r.name in LOGGERS]

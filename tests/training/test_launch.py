@@ -179,7 +179,7 @@ def test_each_task_gets_the_cluster_flags_and_its_output_prefixed(
 
 
 def test_the_worst_workers_status_is_returned_and_each_failure_logged(
-    stand_in, absl_logs, no_task_left):
+    stand_in, logs, no_task_left):
   script, log_dir = stand_in
   before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
   code = training.run_local_cluster(
@@ -187,7 +187,7 @@ def test_the_worst_workers_status_is_returned_and_each_failure_logged(
                      "--exit_worker1=3", "--secs_ps0=0", "--exit_ps0=2"])
   no_task_left.extend(_pids(log_dir))
   assert code == 3
-  ended = [m for m in absl_logs() if m.startswith(("worker ", "ps "))]
+  ended = [m for m in logs() if m.startswith(("worker ", "ps "))]
   # A parameter server that ended on its own is logged too.
   assert ended == ["ps 0 exited with status 2", "worker 1 exited with "
                    "status 3"]
@@ -196,7 +196,7 @@ def test_the_worst_workers_status_is_returned_and_each_failure_logged(
 
 
 def test_a_worker_killed_by_sigkill_gives_137_and_one_line_naming_it(
-    stand_in, absl_logs, wait_until, no_task_left):
+    stand_in, logs, wait_until, no_task_left):
   script, log_dir = stand_in
   with training.LocalCluster(script, 1, 2, ["--log_dir=%s" % log_dir],
                              out=io.StringIO()) as cluster:
@@ -207,7 +207,7 @@ def test_a_worker_killed_by_sigkill_gives_137_and_one_line_naming_it(
     cluster.tasks["worker1"].wait(timeout=10)
     (log_dir / "finish").write_text("")  # The others exit 0.
     assert cluster.wait_for_workers(poll_secs=0.05) == 128 + signal.SIGKILL
-  lines = [m for m in absl_logs() if "worker" in m or "ps 0" in m]
+  lines = [m for m in logs() if "worker" in m or "ps 0" in m]
   assert lines == ["worker 1 was killed by SIGKILL (exit status 137)"]
 
 

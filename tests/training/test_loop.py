@@ -27,10 +27,10 @@ class _Runs(tf.train.SessionRunHook):
     time.sleep(self._secs)
 
 
-def _steps(absl_logs):
+def _steps(logs):
   """{step: "step N, loss = X"} of the step lines logged."""
   found = {}
-  for message in absl_logs():
+  for message in logs():
     match = re.match(r"(step (\d+), loss = [^ ]+) \(", message)
     if match:
       found[int(match.group(2))] = match.group(1)
@@ -43,40 +43,40 @@ def _listing(directory):
 
 
 def test_train_runs_to_max_steps_and_a_second_call_resumes_from_there(
-    tmp_path, train_tiny, absl_logs, checkpoint_step):
+    tmp_path, train_tiny, logs, checkpoint_step):
   train_dir = tmp_path / "train"
   runs = _Runs()
   assert train_tiny(train_dir, 4, hooks=[runs], log_every_n_steps=2,
                     save_checkpoint_steps=None) == 4
   assert runs.count == 4
-  assert sorted(_steps(absl_logs)) == [2, 4]
+  assert sorted(_steps(logs)) == [2, 4]
   assert checkpoint_step(train_dir) == 4  # The final step, at the end.
   assert train_tiny(train_dir, 6) == 6
-  assert sorted(_steps(absl_logs)) == [2, 4, 5, 6]
+  assert sorted(_steps(logs)) == [2, 4, 5, 6]
   assert checkpoint_step(train_dir) == 6
-  resumed = _steps(absl_logs)
+  resumed = _steps(logs)
   # As one run of 6 steps: the variables came from the checkpoint.
   assert train_tiny(tmp_path / "once", 6) == 6
-  once = _steps(absl_logs)
+  once = _steps(logs)
   assert [resumed[5], resumed[6]] == [once[5], once[6]]
 
 
-def test_a_finished_job_trains_no_step(tmp_path, train_tiny, absl_logs,
+def test_a_finished_job_trains_no_step(tmp_path, train_tiny, logs,
                                        checkpoint_step):
   train_dir = str(tmp_path / "train")
   assert train_tiny(train_dir, 4, save_checkpoint_steps=2) == 4
   before = _listing(train_dir)
   assert train_tiny(train_dir, 4) == 4
   assert train_tiny(train_dir, 2) == 4
-  assert absl_logs()[-1] == (
+  assert logs()[-1] == (
       "Nothing to train: %s/model.ckpt-4 is at global step 4 and max_steps "
       "is 2 (raise it to train on)" % train_dir)
   assert _listing(train_dir) == before  # No checkpoint, no event file.
   fresh = tmp_path / "fresh"
   assert train_tiny(fresh, 0) == 0
   assert checkpoint_step(fresh) is None
-  assert absl_logs()[-1].startswith("Nothing to train: --train_dir=")
-  assert sorted(_steps(absl_logs)) == [1, 2, 3, 4]  # The first run's only.
+  assert logs()[-1].startswith("Nothing to train: train_dir=")
+  assert sorted(_steps(logs)) == [1, 2, 3, 4]  # The first run's only.
 
 
 def _signal_at_step(step, signum, logs, done, timeout=60):
@@ -99,11 +99,11 @@ def _signal_at_step(step, signum, logs, done, timeout=60):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM],
                          ids=["SIGINT", "SIGTERM"])
 def test_a_signal_saves_a_checkpoint_raises_interrupted_and_restores(
-    tmp_path, train_tiny, absl_logs, checkpoint_step, signum):
+    tmp_path, train_tiny, logs, checkpoint_step, signum):
   train_dir = tmp_path / "train"
   before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
   done = threading.Event()
-  thread = _signal_at_step(3, signum, absl_logs, done)
+  thread = _signal_at_step(3, signum, logs, done)
   try:
     with pytest.raises(training.Interrupted) as stopped:
       train_tiny(train_dir, 100000, hooks=[_Runs(secs=0.01)],
@@ -116,10 +116,10 @@ def test_a_signal_saves_a_checkpoint_raises_interrupted_and_restores(
   assert stopped.value.signum == signum
   assert str(stopped.value) == "%s at step %d" % (name, step)
   assert step >= 3
-  assert max(_steps(absl_logs)) == step  # It stopped after that step,
+  assert max(_steps(logs)) == step  # It stopped after that step,
   assert checkpoint_step(train_dir) == step  # which the chief saved.
   assert ("Received %s at step %d: saved a checkpoint, stopping"
-          % (name, step)) in absl_logs()
+          % (name, step)) in logs()
   assert (signal.getsignal(signal.SIGINT),
           signal.getsignal(signal.SIGTERM)) == before
 
@@ -234,7 +234,7 @@ def test_a_users_own_loop_is_guarded_and_stops_saved_on_sigterm(
 
 
 def test_a_dict_of_train_ops_runs_each_in_turn_as_one_step(tmp_path,
-                                                           absl_logs):
+                                                           logs):
   # Two losses, each with its own variable: a step runs "a" then "b", the
   # hooks (step count, log line, stop) see the last run.
   with tf.Graph().as_default():
@@ -259,7 +259,7 @@ def test_a_dict_of_train_ops_runs_each_in_turn_as_one_step(tmp_path,
         examples_per_step=4, config=towers.virtual_cpu_config(2),
         log_every_n_steps=1, hooks=[runs]) == 3
   assert runs.count == 3
-  lines = [m for m in absl_logs() if m.startswith("step ")]
+  lines = [m for m in logs() if m.startswith("step ")]
   assert [re.match(r"step (\d+), loss a = \d+\.\d+, b = \d+\.\d+ \(",
                    m).group(1) for m in lines] == ["1", "2", "3"], lines
   reader = tf.train.load_checkpoint(str(tmp_path / "train"))

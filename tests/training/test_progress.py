@@ -35,15 +35,15 @@ def _log_runs(model, config, runs, **logger_kwargs):
   return logger, losses
 
 
-def _step_lines(absl_logs):
-  return [m for m in absl_logs() if m.startswith("step ")]
+def _step_lines(logs):
+  return [m for m in logs() if m.startswith("step ")]
 
 
-def test_the_step_line_every_n_steps(tiny_model, config, absl_logs, clock):
+def test_the_step_line_every_n_steps(tiny_model, config, logs, clock):
   del clock
   logger, losses = _log_runs(tiny_model(), config, 5, every_n_steps=2)
   # Each line: 2 steps in 1 s (8 examples a step), each over 2 towers.
-  assert _step_lines(absl_logs) == [
+  assert _step_lines(logs) == [
       "step %d, loss = %.2f (16.0 examples/sec; 0.250 sec/batch)"
       % (n, losses[n - 1]) for n in (2, 4)]
   assert logger.step == 5
@@ -51,33 +51,33 @@ def test_the_step_line_every_n_steps(tiny_model, config, absl_logs, clock):
 
 
 def test_the_step_line_format_on_a_real_clock(tiny_model, config,
-                                              absl_logs):
+                                              logs):
   _log_runs(tiny_model(), config, 2, every_n_steps=1)
   number = r"\d+\.\d"
   assert [bool(re.fullmatch(LINE % (n, number + r"\d", number,
                                     number + r"\d\d"), line))
-          for n, line in enumerate(_step_lines(absl_logs), 1)] == [True] * 2
+          for n, line in enumerate(_step_lines(logs), 1)] == [True] * 2
 
 
 def test_under_loss_scaling_the_line_ends_with_the_loss_scale(
-    tiny_model, config, absl_logs, clock):
+    tiny_model, config, logs, clock):
   del clock
   # A fixed scale: a dynamic one may change in the step, read before or
   # after it.
   model = tiny_model(compute_dtype="float16", loss_scale=64.0)
   _, losses = _log_runs(model, config, 2, every_n_steps=1)
-  assert _step_lines(absl_logs) == [
+  assert _step_lines(logs) == [
       "step %d, loss = %.2f (8.0 examples/sec; 0.500 sec/batch), loss scale "
       "= 64" % (n, losses[n - 1]) for n in (1, 2)]
 
 
 def test_with_accumulated_micro_batches_only_the_runs_that_apply_count(
-    tiny_model, config, absl_logs, clock):
+    tiny_model, config, logs, clock):
   del clock
   model = tiny_model(accumulate_steps=2)
   logger, losses = _log_runs(model, config, 6, every_n_steps=1)
   # Every second run applies: its micro-batch's loss is the one shown.
-  assert _step_lines(absl_logs) == [
+  assert _step_lines(logs) == [
       "step %d, loss = %.2f (8.0 examples/sec; 0.500 sec/batch)"
       % (n, losses[2 * n - 1]) for n in (1, 2, 3)]
   assert logger.step == 3

@@ -133,7 +133,7 @@ def test_a_directory_that_cannot_be_created_is_one_error_naming_it(
   monkeypatch.setattr(_traindir.os, "makedirs", makedirs)
   path = str(tmp_path / "train")
   assert _refusal(path) == (
-      "--train_dir=%s cannot be created or written (Read-only file system: "
+      "train_dir=%s cannot be created or written (Read-only file system: "
       "%s): point it at a directory you can write to" % (path, path))
 
 
@@ -173,7 +173,7 @@ def test_saver_and_scaffold_pass_their_arguments_on():
 
 @pytest.mark.parametrize("damage", ["deleted", "garbage", "empty"])
 def test_checkpoints_without_a_readable_state_file_are_refused_with_the_fix(
-    trained, tmp_path, train_tiny, absl_logs, damage):
+    trained, tmp_path, train_tiny, logs, damage):
   train_dir = _copy(trained, tmp_path)
   state = os.path.join(train_dir, "checkpoint")
   if damage == "deleted":
@@ -184,17 +184,17 @@ def test_checkpoints_without_a_readable_state_file_are_refused_with_the_fix(
               else "")
   message = _refusal(train_dir)
   assert message.startswith(
-      "--train_dir=%s holds checkpoints (model.ckpt-6 the newest) but its "
+      "train_dir=%s holds checkpoints (model.ckpt-6 the newest) but its "
       "state file %s %s, so training would start again at step 0 and "
       "overwrite them; to resume from the newest intact checkpoint, "
       "model.ckpt-6, run: " % (train_dir, state,
                                "is missing" if damage == "deleted"
                                else "cannot be read"))
   assert _fix_line(6) + state in message
-  assert message.endswith(" ; or start over with another --train_dir")
+  assert message.endswith(" ; or start over with another train_dir")
   _run_fix(message)
   assert train_tiny(train_dir, 7) == 7
-  assert [m for m in absl_logs() if m.startswith("step ")][0].startswith(
+  assert [m for m in logs() if m.startswith("step ")][0].startswith(
       "step 7,")  # Resumed from step 6.
 
 
@@ -283,10 +283,10 @@ def test_with_no_intact_checkpoint_left_the_advice_is_to_start_over(
     _damage(os.path.join(train_dir, "model.ckpt-%d" % step), "missing_index")
   assert _refusal(train_dir).endswith(
       "no earlier checkpoint there is intact: start over with another "
-      "--train_dir")
+      "train_dir")
 
 
-def test_only_the_savers_temp_folders_are_removed(tmp_path, absl_logs):
+def test_only_the_savers_temp_folders_are_removed(tmp_path, logs):
   train_dir = tmp_path / "train"
   outside = tmp_path / "outside"
   (outside / "part").mkdir(parents=True)
@@ -300,7 +300,7 @@ def test_only_the_savers_temp_folders_are_removed(tmp_path, absl_logs):
       "model.ckpt-7_temp_mine", "model.ckpt-8_temp", "model.ckpt-9_temp",
       "my_temp", "train.lock"]
   assert (outside / "part").is_dir()
-  assert absl_logs() == [
+  assert logs() == [
       "Removed %s, left by a checkpoint save that was interrupted"
       % (train_dir / "model.ckpt-7_temp")]
 
@@ -309,21 +309,21 @@ def test_only_the_savers_temp_folders_are_removed(tmp_path, absl_logs):
 
 
 def test_finished_compares_the_latest_step_with_max_steps(
-    trained, tmp_path, absl_logs):
+    trained, tmp_path, logs):
   with training.TrainDir(trained) as directory:
     assert directory.global_step == 6
     assert directory.checkpoint == os.path.join(trained, "model.ckpt-6")
     assert not directory.finished(7)
-    assert not absl_logs()
+    assert not logs()
     assert directory.finished(6) and directory.finished(4)
-  assert absl_logs() == [
+  assert logs() == [
       "Nothing to train: %s/model.ckpt-6 is at global step 6 and max_steps "
       "is %d (raise it to train on)" % (trained, n) for n in (6, 4)]
   fresh = str(tmp_path / "fresh")
   with training.TrainDir(fresh, name="--logdir") as directory:
     assert not directory.finished(1)
     assert directory.finished(0)
-  assert absl_logs()[-1] == (
+  assert logs()[-1] == (
       "Nothing to train: --logdir=%s is at global step 0 and max_steps is "
       "0 (raise it to train on)" % fresh)
 
@@ -342,7 +342,7 @@ def test_check_restores_names_the_variables_the_checkpoint_lacks(
       "loss_scale_good_steps, which this run would restore: it was written "
       "by a run with other settings (float16 training adds a loss scale, "
       "for one); resume with the settings it was trained with, or train in "
-      "another --train_dir" % trained)
+      "another train_dir" % trained)
   with tiny_model().graph.as_default(), training.TrainDir(trained) as same:
     same.check_restores()
   with half.graph.as_default(), training.TrainDir(

@@ -128,7 +128,7 @@ def test_a_sigterm_during_a_blocked_step_reaches_the_watchdog(
 
 
 def test_the_watchdog_saves_from_its_thread_in_the_sessions_graph(
-    tmp_path, monkeypatch, wait_until, absl_logs, checkpoint_step):
+    tmp_path, monkeypatch, wait_until, logs, checkpoint_step):
   # In this process, _exit only records: no step blocks, the grace is 0.
   exits = []
   monkeypatch.setattr(_watchdog, "_exit", exits.append)
@@ -151,7 +151,7 @@ def test_the_watchdog_saves_from_its_thread_in_the_sessions_graph(
   assert exits[0] == 128 + signal.SIGTERM
   assert any(m.endswith("exiting without it; saved %s first"
                         % os.path.join(str(tmp_path), "model.ckpt-0"))
-             for m in absl_logs()), absl_logs()
+             for m in logs()), logs()
   assert checkpoint_step(tmp_path) == 0
 
 
@@ -216,8 +216,8 @@ def test_watchdog_for_task_says_what_the_cluster_waits_for_and_how_to_resume(
             "(%s, %s); not accepting connections: worker1 (%s). Collective "
             "mode has no backup workers: every worker stops. Restart every "
             "worker with the same flags: training resumes from the chief's "
-            "last checkpoint in --train_dir (the steps after it are lost)"
-            % (hosts[0], hosts[1], hosts[1])) in message
+            "last checkpoint in %s (the steps after it are lost)"
+            % (hosts[0], hosts[1], hosts[1], tmp_path)) in message
   else:
     assert ("it waited for the parameter servers (%s) and, through "
             "SyncReplicasOptimizer's tokens, the other workers' gradients; "

@@ -16,7 +16,6 @@ import socket
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from absl import logging
 import numpy as np
 import tensorflow.compat.v1 as tf
 
@@ -106,7 +105,7 @@ def _wait_until(done: Callable[[], bool], timeout_secs: float, waiting: str,
   deadline = time.time() + timeout_secs
   if done():
     return
-  logging.info(waiting)
+  tf.logging.info(waiting)
   while not done():
     if time.time() > deadline:
       raise TimeoutError(late())
@@ -186,7 +185,7 @@ def check_same_cluster(target: str, cluster: tf.train.ClusterSpec,
     raise ClusterError(
         "this worker's cluster %s differs from the chief's %s: start every "
         "task with the same --ps_hosts and --worker_hosts" % (mine, chiefs))
-  logging.info("Cluster matches the chief's: %s", mine)
+  tf.logging.info("Cluster matches the chief's: %s", mine)
 
 
 def wait_for_model(target: str, config: tf.ConfigProto,
@@ -249,8 +248,8 @@ def start_task(ps_hosts: Sequence[str], worker_hosts: Sequence[str],
   server = tf.train.Server(cluster, job_name=job_name, task_index=task_index,
                            config=config)
   if job_name == "ps":
-    logging.info("Parameter server %d serving on %s", task_index,
-                 ps_hosts[task_index])
+    tf.logging.info("Parameter server %d serving on %s", task_index,
+                    ps_hosts[task_index])
     server.join()
   worker_device = "/job:worker/task:%d" % task_index
   if step_timeout_secs:
@@ -368,5 +367,5 @@ class VariablesDigestHook(tf.train.SessionRunHook):
     for var, value in zip(self._variables, values):
       digest.update(var.op.name.encode())
       digest.update(np.ascontiguousarray(value).tobytes())
-    logging.info("Variables at step %d: sha256 %s (%d variables)", step,
-                 digest.hexdigest(), len(values))
+    tf.logging.info("Variables at step %d: sha256 %s (%d variables)", step,
+                    digest.hexdigest(), len(values))

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from absl import logging
+import tensorflow.compat.v1 as tf
 
 
 def free_ports(count: int) -> List[int]:
@@ -145,7 +145,7 @@ class LocalCluster:
       time.sleep(poll_secs)
     for name, proc in sorted(self.tasks.items()):
       if proc.poll():
-        logging.warning("%s", describe_exit(name, proc.returncode))
+        tf.logging.warning("%s", describe_exit(name, proc.returncode))
     return max((exit_status(p.returncode) for p in self.workers().values()),
                default=0)
 
@@ -248,19 +248,19 @@ def run_local_cluster(script: str, num_ps: int, num_workers: int,
       for signum in (signal.SIGTERM, signal.SIGINT):
         previous[signum] = signal.signal(signum, handle)
     try:
-      logging.info("ps: %s; workers: %s", ",".join(cluster.ps_hosts) or
-                   "none (collective mode)", ",".join(cluster.worker_hosts))
-      logging.warning("The tasks' gRPC servers listen on every interface "
-                      "without authentication: any process reaching their "
-                      "ports can run graphs in them (see --help)")
+      tf.logging.info("ps: %s; workers: %s", ",".join(cluster.ps_hosts) or
+                      "none (collective mode)", ",".join(cluster.worker_hosts))
+      tf.logging.warning("The tasks' gRPC servers listen on every interface "
+                         "without authentication: any process reaching their "
+                         "ports can run graphs in them (see --help)")
       cluster.start_all()
       code = cluster.wait_for_workers(stop=lambda: bool(received))
       if code is not None:
         return code
       name = signal.Signals(received[0]).name
-      logging.info("Received %s: passing it to the workers (up to %gs to "
-                   "save and exit), then stopping the parameter servers",
-                   name, stop_grace_secs)
+      tf.logging.info("Received %s: passing it to the workers (up to %gs to "
+                      "save and exit), then stopping the parameter servers",
+                      name, stop_grace_secs)
       cluster.stop(received[0], stop_grace_secs)
       return 128 + received[0]
     finally:

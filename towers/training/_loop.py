@@ -4,7 +4,6 @@ import os
 import signal
 from typing import Dict, Iterable, Optional, Union
 
-from absl import logging
 import tensorflow.compat.v1 as tf
 
 import towers
@@ -192,10 +191,10 @@ def _run(train_op, t, directory: _traindir.TrainDir, *, max_steps,
       # The step saved: in a cluster the logger's count may lag it by one.
       saved = _traindir.latest_step(train_dir)
       step = step if saved is None else saved
-    logging.info("Received %s at step %d: %s, stopping",
-                 signal.Signals(signals.received).name, step,
-                 "saved a checkpoint" if is_chief else
-                 "the chief saves the checkpoints")
+    tf.logging.info("Received %s at step %d: %s, stopping",
+                    signal.Signals(signals.received).name, step,
+                    "saved a checkpoint" if is_chief else
+                    "the chief saves the checkpoints")
     raise Interrupted(signals.received, step)
   return logger.step
 

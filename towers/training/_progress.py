@@ -4,7 +4,6 @@ import math
 import time
 from typing import Any, Dict, List, Optional
 
-from absl import logging
 import tensorflow.compat.v1 as tf
 
 import towers
@@ -97,7 +96,8 @@ class StepLoggerHook(tf.train.SessionRunHook):
   with ``, loss scale = %g``; several losses show as ``loss d = %.2f, g =
   %.2f``. With accumulated micro-batches a step is a run
   that applies an update (`towers.Towers.applies`), and the loss is that
-  run's micro-batch's. Needs the graph's global step.
+  run's micro-batch's. Needs the graph's global step. Logs through
+  TensorFlow's logger: ``tf.logging.set_verbosity(tf.logging.INFO)`` shows it.
 
   Args:
     t: the `towers.Towers` trained (its loss, loss scale, applies, devices).
@@ -174,12 +174,12 @@ class StepLoggerHook(tf.train.SessionRunHook):
     if self._runs % self._every == 0:
       duration = (time.time() - self._start) / self._every
       self._start = time.time()
-      logging.info("step %d, %s (%.1f examples/sec; %.3f sec/batch)%s",
-                   self._step, _values("loss", losses, "%.2f"),
-                   self._examples_per_step / duration,
-                   duration / self._num_towers,
-                   "" if loss_scale is None else
-                   ", " + _values("loss scale", _by_loss(loss_scale), "%g"))
+      tf.logging.info("step %d, %s (%.1f examples/sec; %.3f sec/batch)%s",
+                      self._step, _values("loss", losses, "%.2f"),
+                      self._examples_per_step / duration,
+                      duration / self._num_towers,
+                      "" if loss_scale is None else
+                      ", " + _values("loss scale", _by_loss(loss_scale), "%g"))
 
 
 def _values(name: str, values: Dict[Optional[str], Any], spec: str) -> str:

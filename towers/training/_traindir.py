@@ -13,7 +13,6 @@ import shlex
 import shutil
 from typing import List, Optional, Sequence, Tuple
 
-from absl import logging
 import tensorflow.compat.v1 as tf
 
 CHECKPOINT_BASENAME = "model.ckpt"  # MonitoredTrainingSession's prefix.
@@ -58,7 +57,7 @@ class TrainDir:
   """
 
   def __init__(self, path: str, *, is_chief: bool = True,
-               name: str = "--train_dir"):
+               name: str = "train_dir"):
     self.path = path
     self.is_chief = is_chief
     self.name = name
@@ -105,10 +104,10 @@ class TrainDir:
     done = self.global_step or 0
     if done < max_steps:
       return False
-    logging.info("Nothing to train: %s is at global step %d and max_steps is "
-                 "%d (raise it to train on)",
-                 self.checkpoint or "%s=%s" % (self.name, self.path), done,
-                 max_steps)
+    tf.logging.info("Nothing to train: %s is at global step %d and "
+                    "max_steps is %d (raise it to train on)",
+                    self.checkpoint or "%s=%s" % (self.name, self.path), done,
+                    max_steps)
     return True
 
   def check_restores(self, variables: Optional[Sequence[tf.Variable]] = None
@@ -202,8 +201,8 @@ def _remove_temp_dirs(train_dir: str) -> None:
     if (_TEMP_DIR.match(name) and os.path.isdir(path)
         and not os.path.islink(path)):
       shutil.rmtree(path)
-      logging.info("Removed %s, left by a checkpoint save that was "
-                   "interrupted", path)
+      tf.logging.info("Removed %s, left by a checkpoint save that was "
+                      "interrupted", path)
 
 
 def _steps_on_disk(train_dir: str) -> List[int]:

@@ -26,6 +26,7 @@ that went away: the `PEER_ERRORS`) into the same message, raised as
 the worker's own, not a peer's: it is raised as it is.
 """
 
+import logging
 import os
 import re
 import signal
@@ -34,7 +35,6 @@ import threading
 import time
 from typing import Callable, Optional, Sequence, Tuple
 
-from absl import logging
 import tensorflow.compat.v1 as tf
 
 from towers.training import _cluster
@@ -190,18 +190,18 @@ class Watchdog(tf.train.SessionRunHook):
           and now - signal_seen > self._grace):
         self._give_up_after_signal(signum, now - signal_seen)
       if self._timeout is not None and waited > self._timeout:
-        logging.error("No step for %.0fs (the timeout is %gs) in %s: it "
-                      "waited for %s%s. Stopping: %s", waited, self._timeout,
-                      self._doing(), self._waiting_for, self._unreachable(),
-                      self._advice())
+        tf.logging.error("No step for %.0fs (the timeout is %gs) in %s: it "
+                         "waited for %s%s. Stopping: %s", waited, self._timeout,
+                         self._doing(), self._waiting_for, self._unreachable(),
+                         self._advice())
         _exit(EXIT_STALLED)
       # Closing waits for nothing of a peer's: only the timeout applies.
       if (waited > self._log_after and now - last_log >= self._log_every and
           not closing):
         doing = self._doing()
-        logging.warning("%s has waited %.0fs for %s%s",
-                        doing[:1].upper() + doing[1:], waited,
-                        self._waiting_for, self._unreachable())
+        tf.logging.warning("%s has waited %.0fs for %s%s",
+                           doing[:1].upper() + doing[1:], waited,
+                           self._waiting_for, self._unreachable())
         last_log = now
 
   def _give_up_after_signal(self, signum: int, waited: float) -> None:
@@ -215,10 +215,10 @@ class Watchdog(tf.train.SessionRunHook):
       except Exception as e:  # pylint: disable=broad-except
         saved = "; could not save a checkpoint (%s)" % (
             str(e).strip().splitlines() or [type(e).__name__])[0]
-    logging.warning("Received %s, but %s still waits for %s after %.0fs%s: "
-                    "exiting without it%s", signal.Signals(signum).name,
-                    self._doing(), self._waiting_for, waited,
-                    self._unreachable(), saved)
+    tf.logging.warning("Received %s, but %s still waits for %s after %.0fs%s: "
+                       "exiting without it%s", signal.Signals(signum).name,
+                       self._doing(), self._waiting_for, waited,
+                       self._unreachable(), saved)
     _exit(128 + signum)
 
 
@@ -244,8 +244,7 @@ def _cause(error: Exception) -> str:
 
 def _exit(code: int) -> None:
   """Ends the process now, its log flushed: the main thread is stuck."""
-  for handler in logging.get_absl_logger().handlers + [
-      logging.get_absl_handler()]:
+  for handler in tf.get_logger().handlers + logging.getLogger().handlers:
     handler.flush()
   sys.stdout.flush()
   sys.stderr.flush()
@@ -274,7 +273,7 @@ def watchdog_for_task(task: _cluster.Task, global_step: tf.Tensor,
     step = _traindir.latest_step(train_dir)
     resume = ("the chief's last checkpoint, step %d in %s" % (step, train_dir)
               if step is not None else
-              "the chief's last checkpoint in --train_dir")
+              "the chief's last checkpoint in %s" % train_dir)
     if task.collective:
       return ("Collective mode has no backup workers: every worker stops. "
               "Restart every worker with the same flags: training resumes "
