@@ -6,6 +6,8 @@ machine without GPUs), and run under an operation timeout: each ends in the
 correct result or a clear error, never in a hang (a DeadlineExceededError).
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
@@ -16,8 +18,8 @@ from models import batch, model_fn, reference_training
 # A collective waiting for a member that never comes fails instead of
 # hanging; the checks below must end long before it.
 TIMEOUT_MS = 30000
-SHARED = r"two towers ran on one device: the session does not have every " \
-    r"tower device .*virtual_cpu_config\(4\)"
+SHARED = r"towers shared a device: tower \d \(.+\) with tower \d .*" \
+    r"The session lacks some of the tower devices .*virtual_cpu_config\(4\)"
 
 
 def _bn_model(scope, x, y):
@@ -138,13 +140,42 @@ def test_duplicated_devices_train_or_are_refused_when_built(mode):
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_without_soft_placement_a_missing_device_is_tensorflows_error():
-  # A plain session refuses to place a tower on a device it lacks, at once.
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match="Cannot assign a device for operation .* "
-                     "explicitly assigned to /device:CPU:1"):
-    _train("sync batch norm", None, tf.ConfigProto(
-        operation_timeout_in_ms=TIMEOUT_MS))
+@pytest.mark.parametrize("stage_inputs", [False, True])
+def test_without_soft_placement_the_first_error_names_the_fix(stage_inputs):
+  # A plain session refuses to place a tower on a device it lacks, at once,
+  # naming the first op it meets there: the check's, whose name is the fix.
+  x, y = batch(8)
+  with tf.Graph().as_default() as g:
+    train_op, _ = towers.minimize(
+        model_fn(), tf.train.GradientDescentOptimizer(0.1), 4,
+        inputs=(tf.constant(x), tf.constant(y)), stage_inputs=stage_inputs)
+    with tf.Session(graph=g, config=tf.ConfigProto(
+        operation_timeout_in_ms=TIMEOUT_MS)) as sess:
+      with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        sess.run(tf.global_variables_initializer())
+        sess.run(train_op)
+  first = [line for line in raised.value.message.splitlines()
+           if line.startswith("Cannot assign a device")][0]
+  assert first.startswith(
+      "Cannot assign a device for operation tower_device_check/tower_1_needs_"
+      "CPU_1.make_the_session_with_towers.virtual_cpu_config_4: "), first
+  assert "explicitly assigned to /device:CPU:1" in first
+
+
+def test_too_few_devices_name_each_towers_device():
+  # 4 towers on 2 virtual CPUs: soft placement puts towers 2 and 3 on CPU 0,
+  # with tower 0; which write lands last there varies from run to run.
+  with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+    _train("one copy", None, _config(2), steps=1)
+  message = raised.value.message
+  said = re.search(r"towers shared a device: ([^.]*)\.", message)[1]
+  pairs = re.findall(r"tower (\d) \(/cpu:(\d)\) with tower (\d) "
+                     r"\(/cpu:(\d)\)", said)
+  assert all(i == d and j == e for i, d, j, e in pairs), pairs
+  shared = {int(k) for i, _, j, _ in pairs for k in (i, j)}
+  assert shared == {0, 2, 3} and len(pairs) == 2, message
+  assert (". The session lacks some of the tower devices (/cpu:0, /cpu:1, "
+          "/cpu:2, /cpu:3)" in message)
 
 
 def test_infer_on_one_device_fails_clearly_and_apart_runs():

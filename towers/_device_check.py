@@ -17,6 +17,9 @@ runs with the step, before anything that crosses towers:
 
 The towers' losses and cross-tower sums wait for the check, so a step whose
 towers share a device ends in that error before any collective launches.
+Without soft placement a session refuses the graph instead, naming the first
+op it meets on a device it lacks: the check is built before the towers, and
+each tower's write is named for the fix.
 """
 
 import uuid
@@ -48,7 +51,7 @@ def build(devices: Sequence[str], placer: _placement.DeviceFn,
   handles: List[tf.Tensor] = []
   writes: List[tf.Operation] = []
   with tf.name_scope(name):
-    for device, number in zip(devices, expected):
+    for i, (device, number) in enumerate(zip(devices, expected)):
       # The value is an ordinary op of the tower, placed as the tower's ops
       # are (the caller's device scopes included); the variable goes there.
       with _placement.tower_placement(device, placer):
@@ -56,8 +59,9 @@ def build(devices: Sequence[str], placer: _placement.DeviceFn,
       with tf.device(None), tf.device(value.device):
         handle = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[],
                                         shared_name=shared_name)
-        writes.append(tf.raw_ops.AssignVariableOp(resource=handle,
-                                                  value=value))
+        writes.append(tf.raw_ops.AssignVariableOp(
+            resource=handle, value=value,
+            name=_write_name(i, value.device, len(devices))))
       handles.append(handle)
     reads = []
     for handle in handles:
@@ -70,21 +74,50 @@ def build(devices: Sequence[str], placer: _placement.DeviceFn,
     with tf.device(None), tf.device(host):
       found = tf.cast(tf.stack(reads), tf.int32)
       apart = tf.reduce_all(tf.equal(found, expected))
-      check = tf.debugging.Assert(apart, [
-          "two towers ran on one device: the session does not have every "
-          "tower device (%s), and soft placement moved the towers it lacks "
-          "onto devices it has, where they would share one and a "
-          "cross-tower collective would wait forever. For each tower, the "
-          "tower whose device it ran on (its own index when apart):"
-          % ", ".join(devices), found,
-          "Give the session every tower device (for virtual CPU devices, "
-          "tf.Session(config=towers.virtual_cpu_config(%d))), or build as "
-          "many towers as there are devices (towers.tower_devices(n) lists "
-          "the visible ones)" % len(devices)], summarize=len(devices))
+      check = tf.debugging.Assert(
+          apart, [_shared_message(devices, expected, found)], summarize=1)
   # The towers' ops take it as a control input (`gate`), which TensorFlow's
   # "never used" warning at garbage collection does not see.
   check.mark_used()
   return check
+
+
+def _write_name(index: int, device: str, num_towers: int) -> str:
+  """The name of tower `index`'s write: its fix, for a session without it.
+
+  Without soft placement a session refuses a graph with an op on a device it
+  lacks, naming the first such op it meets: this write, the first op of each
+  tower that is no constant, and the first the towers build.
+  """
+  spec = tf.DeviceSpec.from_string(device or "")
+  kind = (spec.device_type or "").upper()
+  if kind == "CPU":
+    fix = "make_the_session_with_towers.virtual_cpu_config_%d" % num_towers
+  else:
+    fix = "give_the_session_every_tower_device_or_build_fewer_towers"
+  needs = "%s_%d" % (kind, spec.device_index or 0) if kind else "its_device"
+  return "tower_%d_needs_%s.%s" % (index, needs, fix)
+
+
+def _shared_message(devices: Sequence[str], expected: Sequence[int],
+                    found: tf.Tensor) -> tf.Tensor:
+  """The check's error: which towers shared a device, and the fix."""
+  n = len(devices)
+  # pairs[i][j]: tower i read tower j's number, so they shared a device.
+  pairs = [["tower %d (%s) with tower %d (%s)"
+            % (i, devices[i], j, devices[j]) for j in range(n)]
+           for i in range(n)]
+  said = tf.gather_nd(tf.constant(pairs),
+                      tf.stack([tf.range(n), found], axis=1))
+  shared = tf.strings.reduce_join(
+      tf.boolean_mask(said, tf.not_equal(found, expected)), separator="; ")
+  return tf.strings.join([
+      "towers shared a device: ", shared, ". The session lacks some of "
+      "the tower devices (%s) and soft placement moved those towers onto "
+      "devices it has, where a cross-tower collective would wait forever: "
+      "give the session every tower device (virtual CPU devices: "
+      "config=towers.virtual_cpu_config(%d)), or build as many towers as it "
+      "has devices" % (", ".join(devices), n)])
 
 
 def gate(tensor: tf.Tensor, check: Optional[tf.Operation]) -> tf.Tensor:

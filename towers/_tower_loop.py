@@ -79,6 +79,8 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
                      "(a batch or a callable such as iterator.get_next)")
   placer = _placement.variable_placer(variable_device, devices)
   replicated = variable_device == _placement.REPLICATED
+  # First, so that a session lacking a tower device names the check's fix.
+  check = _device_check.build(devices, placer, "%s_device_check" % tower_name)
   shards, weights = None, None
   if inputs is not None and not callable(inputs):
     shards, weights = _inputs.split_inputs(inputs, num_towers,
@@ -93,7 +95,6 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
     names, staged = _read_staged(inputs, shards, devices, placer, names)
     weights = None
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
-  check = _device_check.build(devices, placer, "%s_device_check" % tower_name)
   tower_set = _context.TowerSet(devices, uniform=not sized and (
       weights is None or _reduction.is_uniform(weights)), device_check=check)
   start = _replay.last_op_id()
