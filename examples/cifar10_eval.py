@@ -1,4 +1,4 @@
-"""Evaluates CIFAR-10 checkpoints of the multi-GPU example on the test set.
+r"""Evaluates CIFAR-10 checkpoints of the multi-GPU example on the test set.
 
   python examples/cifar10_eval.py --data_dir=/tmp/cifar10_data \
       --checkpoint_dir=/tmp/cifar10_train --run_once

@@ -1,4 +1,4 @@
-"""Trains the CIFAR-10 tutorial's network on several GPUs with `towers`.
+r"""Trains the CIFAR-10 tutorial's network on several GPUs with `towers`.
 
   python examples/cifar10_multi_gpu_train.py --num_gpus=2 \
       --data_dir=/tmp/cifar10_data --train_dir=/tmp/cifar10_train

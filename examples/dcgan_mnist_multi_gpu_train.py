@@ -1,4 +1,4 @@
-"""Trains a DCGAN on MNIST on several GPUs (towers): two losses, two optimizers.
+r"""Trains a DCGAN on MNIST on several GPUs (towers): two losses and optimizers.
 
   python examples/dcgan_mnist_multi_gpu_train.py --num_gpus=2 \
       --data_dir=/tmp/mnist_data --train_dir=/tmp/dcgan_train

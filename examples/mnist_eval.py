@@ -1,4 +1,4 @@
-"""Evaluates MNIST checkpoints: precision @ 1 over all 10,000 test images.
+r"""Evaluates MNIST checkpoints: precision @ 1 over all 10,000 test images.
 
   python examples/mnist_eval.py --data_dir=/tmp/mnist_data \
       --checkpoint_dir=/tmp/mnist_train --run_once

@@ -1,4 +1,4 @@
-"""Trains the MNIST CNN on several GPUs with synchronous updates (towers).
+r"""Trains the MNIST CNN on several GPUs with synchronous updates (towers).
 
   python examples/mnist_multi_gpu_train.py --num_gpus=2 \
       --data_dir=/tmp/mnist_data --train_dir=/tmp/mnist_train

@@ -10,6 +10,13 @@ shard of the batch, with the variables shared on the CPU;
 on virtual CPU devices. `towers.minimize` is these three steps in one call.
 """
 
+import os
+
+if __name__ == "__main__":
+  # Before TensorFlow loads: its C++ INFO and WARNING lines stay out of the
+  # log, unless the user chose a level.
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 import numpy as np
 from absl import app
 from absl import flags

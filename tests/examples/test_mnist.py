@@ -5,6 +5,7 @@ the reader the scripts use is the one under test; one end-to-end run uses the
 real MNIST files when they are present. Downloads only ever go to loopback.
 """
 
+import ast
 import functools
 import glob
 import gzip
@@ -384,7 +385,7 @@ def test_learning_rate_decays_per_epoch_of_examples(tiny_mnist, num_towers):
 # train(...) and evaluate(...).
 
 
-def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, absl_logs):
+def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, logs):
   train_dir = str(tmp_path / "train")
   step = mnist_train.train(train_dir=train_dir, data_dir=tiny_mnist,
                            num_gpus=2, batch_size=4, max_steps=6,
@@ -392,7 +393,7 @@ def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, absl_logs):
                            save_summaries_steps=3, mirrors=(), seed=0)
   assert step == 6
   assert checkpoint_step(train_dir) == 6  # The final step is saved.
-  logs = absl_logs()
+  logs = logs()
   assert any("virtual CPU devices" in m for m in logs)
   # The global batch, and the epochs --max_steps means (6 x 8 of 64).
   assert "2 towers x 4 examples = 8 examples per step; --max_steps=6 is 0.8 " \
@@ -414,7 +415,7 @@ def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, absl_logs):
   assert 0.0 <= result.precision <= 1.0
   assert result.precision == result.num_correct / NUM_TEST
   assert any(re.search(r"precision @ 1 = [01]\.\d{4}", m)
-             for m in absl_logs())
+             for m in logs())
   assert "precision @ 1" in summary_tags(os.path.join(train_dir, "eval"))
 
   # On 3 towers (towers.infer), batches of 9, 9 and 2: the last leaves a
@@ -427,7 +428,7 @@ def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, absl_logs):
 
 
 def test_accumulated_micro_batches_train_and_evaluate(tiny_mnist, tmp_path,
-                                                     absl_logs):
+                                                     logs):
   train_dir = str(tmp_path / "train")
   step = mnist_train.train(train_dir=train_dir, data_dir=tiny_mnist,
                            num_gpus=2, batch_size=2, accumulate_steps=4,
@@ -436,7 +437,7 @@ def test_accumulated_micro_batches_train_and_evaluate(tiny_mnist, tmp_path,
                            mirrors=(), seed=0)
   assert step == 4
   assert checkpoint_step(train_dir) == 4  # Global steps count updates.
-  logs = absl_logs()
+  logs = logs()
   assert "2 towers x 2 examples x 4 micro-batches = 16 examples per step; " \
       "--max_steps=4 is 1.0 epochs of 64 examples" in logs
   # One line every 2 updates (8 runs), not every 2 runs.
@@ -458,13 +459,13 @@ def test_evaluate_without_a_checkpoint_says_to_train_first(tiny_mnist,
   assert not os.path.exists(tmp_path / "eval")  # No event writer yet.
 
 
-def test_fake_data_reads_no_file(tmp_path, absl_logs):
+def test_fake_data_reads_no_file(tmp_path, logs):
   step = mnist_train.train(train_dir=str(tmp_path / "train"),
                            data_dir=str(tmp_path / "nothing"), fake_data=True,
                            num_gpus=2, batch_size=4, max_steps=3,
                            log_frequency=1, mirrors=OFFLINE)
   assert step == 3
-  assert any("synthetic images" in m for m in absl_logs())
+  assert any("synthetic images" in m for m in logs())
   assert not os.path.exists(str(tmp_path / "nothing"))
 
 # The scripts as a user runs them.
@@ -935,6 +936,7 @@ SHARED = ["xla", "stage_inputs", "variable_device", "all_reduce",
     ("mnist_eval.py", ["checkpoint_dir", "eval_dir", "run_once"]),
     ("cifar10_eval.py", ["checkpoint_dir", "eval_dir", "num_examples"]),
     ("launch_local_cluster.py", ["num_ps", "num_workers", "stop_grace_secs"]),
+    ("dcgan_mnist_multi_gpu_train.py", ["train_dir", "z_dim", "beta1"]),
 ])
 def test_help_lists_each_scripts_flags_the_shared_ones_included(
     script, names):
@@ -946,6 +948,11 @@ def test_help_lists_each_scripts_flags_the_shared_ones_included(
     assert name in listed, (name, done.stdout[-3000:])
   # Only the script's own: absl's and TensorFlow's are --helpfull's.
   assert "verbosity" not in listed
+  # The docstring's usage lines, each command on its lines as written.
+  with open(args[1]) as f:
+    usage = [p for p in ast.get_docstring(ast.parse(f.read())).split("\n\n")
+             if p.startswith("  python examples/")][0]
+  assert usage in done.stdout, done.stdout[:2000]
 
 
 # Replicated variables (--variable_device=replicated): checkpoints, eval,
@@ -984,14 +991,14 @@ def one_copy_run(tmp_path_factory):
 
 @pytest.mark.parametrize("all_reduce", ["add_n", "ring", "collective"])
 def test_replicated_training_saves_the_one_copy_checkpoint_for_eval(
-    one_copy_run, tmp_path, absl_logs, op_timeout, all_reduce):
+    one_copy_run, tmp_path, logs, op_timeout, all_reduce):
   del op_timeout  # Used for its effect.
   data_dir, one_copy, one_copy_result = one_copy_run
   train_dir = str(tmp_path / "train")
   assert mnist_train.train(train_dir=train_dir, data_dir=data_dir,
                            variable_device="replicated", all_reduce=all_reduce,
                            **REPLICATED_RUN) == 3
-  logs = absl_logs()
+  logs = logs()
   assert ("--variable_device=replicated: a copy of each variable on each of "
           "the 2 towers, their gradients summed by the '%s' all-reduce; "
           "checkpoints hold copy 0 (/cpu:0) under single-device names"
@@ -1035,7 +1042,7 @@ def _pack_concats(data_dir, **kwargs):
     dict(), dict(variable_device="replicated", all_reduce="ring")],
     ids=["cpu", "ring"])
 def test_packing_changes_no_bit_of_the_trained_variables(
-    one_copy_run, tmp_path, absl_logs, mode):
+    one_copy_run, tmp_path, logs, mode):
   data_dir = one_copy_run[0]
   # The default packs (the biases and conv1/weights: 5 of the 8), 0 none.
   assert len(_pack_concats(data_dir, **mode)) >= 2
@@ -1048,7 +1055,7 @@ def test_packing_changes_no_bit_of_the_trained_variables(
       assert mnist_train.train(
           train_dir=dirs[pack_bytes], data_dir=data_dir,
           pack_bytes=pack_bytes, **mode, **REPLICATED_RUN) == 3
-  logs = absl_logs()
+  logs = logs()
   assert "--pack_bytes=0: packing off, each gradient is reduced on its own" in (
       logs)
   if mode:
@@ -1064,10 +1071,10 @@ def test_packing_changes_no_bit_of_the_trained_variables(
     np.testing.assert_array_equal(packed[name], value, err_msg=name)
 
 
-def test_one_tower_logs_that_it_packs_nothing(absl_logs):
+def test_one_tower_logs_that_it_packs_nothing(logs):
   t = towers.Towers(**dict.fromkeys(towers.Towers._fields))
   common.log_packing(t._replace(devices=["/cpu:0"]), 16384)
-  assert absl_logs() == ["--pack_bytes=16384: one tower, whose gradients need "
+  assert logs() == ["--pack_bytes=16384: one tower, whose gradients need "
                          "no reduction, so none is packed"]
 
 
@@ -1118,12 +1125,12 @@ def _logged(logs):
 
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
 def test_half_precision_saves_float32_weights_that_eval_restores(
-    one_copy_run, tmp_path, absl_logs, precision):
+    one_copy_run, tmp_path, logs, precision):
   data_dir, one_copy = one_copy_run[:2]
   train_dir = str(tmp_path / "train")
   assert mnist_train.train(train_dir=train_dir, data_dir=data_dir,
                            precision=precision, **REPLICATED_RUN) == 3
-  logs = absl_logs()
+  logs = logs()
   float16 = precision == "float16"
   assert any(m.startswith("--precision=%s: the towers compute in %s on "
                           "float32 master weights" % (precision, precision))
@@ -1178,7 +1185,7 @@ def _xla_compiled(op):
 
 
 def test_xla_compiles_the_towers_and_trains_within_rounding(
-    one_copy_run, tmp_path, absl_logs):
+    one_copy_run, tmp_path, logs):
   data_dir, one_copy = one_copy_run[:2]
   with tf.Graph().as_default() as g:
     _build(data_dir, num_towers=2, xla=True)
@@ -1193,7 +1200,7 @@ def test_xla_compiles_the_towers_and_trains_within_rounding(
   assert mnist_train.train(train_dir=train_dir, data_dir=data_dir, xla=True,
                            **REPLICATED_RUN) == 3
   assert ("--xla: each tower's model and its gradient are compiled with XLA"
-          in absl_logs())
+          in logs())
   # one_copy_run's steps, within rounding: XLA fuses and reorders the math.
   got, want = _checkpoint(train_dir), _checkpoint(one_copy)
   assert sorted(got) == sorted(want)
@@ -1203,13 +1210,13 @@ def test_xla_compiles_the_towers_and_trains_within_rounding(
 
 
 def test_staged_inputs_train_the_same_steps_bit_for_bit(
-    one_copy_run, tmp_path, absl_logs):
+    one_copy_run, tmp_path, logs):
   data_dir, one_copy = one_copy_run[:2]
   train_dir = str(tmp_path / "train")
   assert mnist_train.train(train_dir=train_dir, data_dir=data_dir,
                            stage_inputs=True, **REPLICATED_RUN) == 3
   assert any(m.startswith("--stage_inputs: each tower's batches are read "
-                          "ahead") for m in absl_logs())
+                          "ahead") for m in logs())
   # The same batches in the same steps: each step takes the next two.
   got, want = _checkpoint(train_dir), _checkpoint(one_copy)
   assert sorted(got) == sorted(want)
