@@ -11,6 +11,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -28,6 +29,23 @@ def test_readme_commands_use_the_virtualenv():
           if re.match(r"(python|pip|tensorboard)\b", line.strip())]
   assert not bare, "README commands outside .venv: %s" % bare
   assert "needs `python3` 3.10 or 3.11" in text
+
+
+def test_the_readme_test_subset_runs_and_passes():
+  # The README's command for the averaging tests, as a newcomer runs it
+  # (its pip install aside: this environment has the test extra).
+  with open(README) as f:
+    commands = [line for line in f.read().splitlines()
+                if " -m pytest tests/" in line]
+  assert len(commands) == 1, commands
+  install, run = commands[0].split(" && ")
+  assert install == '.venv/bin/pip install -e ".[tf,test]"'
+  assert run.startswith(".venv/bin/python -m pytest ")
+  args = [sys.executable] + run.split()[1:]
+  done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert done.returncode == 0, done.stdout[-3000:]
+  assert re.search(r"\b\d+ passed\b", done.stdout.splitlines()[-1])
 
 
 def _run_with_python(tmp_path, version, *envs):

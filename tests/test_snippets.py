@@ -57,9 +57,11 @@ EPILOGUE = textwrap.dedent("""
         shape = [8 if d is None else d for d in value.shape.as_list()]
         feeds[value] = rng.rand(*shape).astype(value.dtype.as_numpy_dtype)
     config = towers.virtual_cpu_config(4, operation_timeout_in_ms=60000)
+    init = tf.global_variables_initializer()
+    local_init = tf.local_variables_initializer()
     with tf.Session(config=config) as sess:
-      sess.run(tf.global_variables_initializer())
-      sess.run(tf.local_variables_initializer())
+      sess.run(init)
+      sess.run(local_init)
       if "train_op" in globals():
         first = sess.run(t.loss, feeds)
         for _ in range(5):
@@ -146,8 +148,9 @@ SETUPS = {
 }
 EPILOGUES = {
     "d_op = d_opt.apply_gradients": textwrap.dedent("""
+        init = tf.global_variables_initializer()
         with tf.Session(config=towers.virtual_cpu_config(2)) as sess:
-          sess.run(tf.global_variables_initializer())
+          sess.run(init)
           first = sess.run(t.loss)
           for _ in range(5):
             sess.run(d_op)
@@ -220,9 +223,62 @@ def test_snippet_runs_to_the_end(where):
   if "tf.estimator." in code and not hasattr(tf2.compat.v1, "estimator"):
     pytest.skip("tf.estimator was removed in TensorFlow 2.16 (this is %s)"
                 % tf2.__version__)
-  env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
-  done = subprocess.run([sys.executable, "-c", _program(code)], env=env,
-                        capture_output=True, text=True, timeout=300,
-                        check=False)
+  done = _run(_program(code))
   assert done.returncode == 0, "%s failed:\n%s" % (where, done.stderr[-3000:])
   assert done.stdout.rstrip().endswith("snippet ran")
+  # Documented code runs clean: no op is made after the session has run.
+  assert CHANGED_AFTER_RUN not in done.stderr, done.stderr[-3000:]
+
+
+# TensorFlow's warning for an op changed after a session ran its graph (an
+# initializer made after the first run marks the ops it groups).
+CHANGED_AFTER_RUN = "was changed by setting attribute after it was run"
+
+
+def _run(program):
+  """Runs `program` in a process of its own, TensorFlow's C++ log on."""
+  env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="0")
+  return subprocess.run([sys.executable, "-c", program], env=env,
+                        capture_output=True, text=True, timeout=300,
+                        check=False)
+
+
+def _snippet(line):
+  """The one snippet that has `line`."""
+  found = [code for code in SNIPPETS.values() if line in code]
+  assert len(found) == 1, line
+  return found[0]
+
+
+def test_the_quick_start_runs_clean_in_the_replicated_mode():
+  code = _snippet("import towers\n\ntf.disable_eager_execution()")
+  replicated = code.replace("inputs=(images, labels),",
+                            'inputs=(images, labels), variable_device='
+                            '"replicated",')
+  assert replicated != code
+  done = _run(replicated + '  print("loss", loss)\n')
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.startswith("loss ")
+  assert CHANGED_AFTER_RUN not in done.stderr, done.stderr[-3000:]
+
+
+def test_the_runner_loop_logs_each_line_once_in_a_plain_script():
+  # The api.md loop in a plain script, no absl.app.run: its documented
+  # verbosity shows the step lines, and nothing adds a handler to the root
+  # logger (which would print every TensorFlow line twice).
+  setup = "with training.TrainDir(train_dir) as guard:"
+  code = _snippet(setup)
+  assert code.startswith("tf.logging.set_verbosity(tf.logging.INFO)")
+  done = _run(PRELUDE + SETUPS[setup] + code +
+              "import logging\nprint(len(logging.getLogger().handlers))\n")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split() == ["0"]
+  lines = [line for line in done.stderr.splitlines()
+           if line.startswith(("INFO:tensorflow:", "WARNING:tensorflow:"))]
+  steps = [line for line in lines if line.startswith("INFO:tensorflow:step ")]
+  assert [s.split(",")[0] for s in steps] == [
+      "INFO:tensorflow:step 10", "INFO:tensorflow:step 20"], done.stderr
+  saved = [line for line in lines if line.startswith(
+      "INFO:tensorflow:Saving checkpoints for 20 into ")]
+  assert len(saved) == 1, lines
+  assert len(lines) == len(set(lines)), lines
