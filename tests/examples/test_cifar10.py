@@ -68,25 +68,29 @@ def _write_cifar(data_dir, train_records=16, test_records=TEST_IMAGES,
 
 
 class _Messages(py_logging.Handler):
-  """Collects absl's log messages, at INFO."""
+  """Collects the log messages of the script (absl's logger) and of the
+  library (TensorFlow's), at INFO."""
 
   def __init__(self):
     super().__init__(py_logging.INFO)
     self.messages = []
+    self._levels = {}
 
   def emit(self, record):
     self.messages.append(record.getMessage())
 
   def __enter__(self):
-    self._logger = py_logging.getLogger("absl")
-    self._level = self._logger.level
-    self._logger.setLevel(py_logging.INFO)
-    self._logger.addHandler(self)
+    for name in ("absl", "tensorflow"):
+      logger = py_logging.getLogger(name)
+      self._levels[logger] = logger.level
+      logger.setLevel(py_logging.INFO)
+      logger.addHandler(self)
     return self
 
   def __exit__(self, *exc):
-    self._logger.removeHandler(self)
-    self._logger.setLevel(self._level)
+    for logger, level in self._levels.items():
+      logger.removeHandler(self)
+      logger.setLevel(level)
 
 
 def _logged_losses(messages):

@@ -393,12 +393,12 @@ def test_train_then_evaluate_on_idx_files(tiny_mnist, tmp_path, logs):
                            save_summaries_steps=3, mirrors=(), seed=0)
   assert step == 6
   assert checkpoint_step(train_dir) == 6  # The final step is saved.
-  logs = logs()
-  assert any("virtual CPU devices" in m for m in logs)
+  lines = logs()
+  assert any("virtual CPU devices" in m for m in lines)
   # The global batch, and the epochs --max_steps means (6 x 8 of 64).
   assert "2 towers x 4 examples = 8 examples per step; --max_steps=6 is 0.8 " \
-      "epochs of 64 examples" in logs
-  assert [int(LOG_LINE.search(m).group(1)) for m in logs
+      "epochs of 64 examples" in lines
+  assert [int(LOG_LINE.search(m).group(1)) for m in lines
           if LOG_LINE.search(m)] == [2, 4, 6]
   tags = summary_tags(train_dir)
   for tag in ["learning_rate", "loss", "tower_1/losses/cross_entropy",
@@ -437,11 +437,11 @@ def test_accumulated_micro_batches_train_and_evaluate(tiny_mnist, tmp_path,
                            mirrors=(), seed=0)
   assert step == 4
   assert checkpoint_step(train_dir) == 4  # Global steps count updates.
-  logs = logs()
+  lines = logs()
   assert "2 towers x 2 examples x 4 micro-batches = 16 examples per step; " \
-      "--max_steps=4 is 1.0 epochs of 64 examples" in logs
+      "--max_steps=4 is 1.0 epochs of 64 examples" in lines
   # One line every 2 updates (8 runs), not every 2 runs.
-  assert [int(LOG_LINE.search(m).group(1)) for m in logs
+  assert [int(LOG_LINE.search(m).group(1)) for m in lines
           if LOG_LINE.search(m)] == [2, 4]
   # Gradient histograms come from the runs that apply.
   assert "conv1/weights/gradients" in summary_tags(train_dir)
@@ -998,12 +998,12 @@ def test_replicated_training_saves_the_one_copy_checkpoint_for_eval(
   assert mnist_train.train(train_dir=train_dir, data_dir=data_dir,
                            variable_device="replicated", all_reduce=all_reduce,
                            **REPLICATED_RUN) == 3
-  logs = logs()
+  lines = logs()
   assert ("--variable_device=replicated: a copy of each variable on each of "
           "the 2 towers, their gradients summed by the '%s' all-reduce; "
           "checkpoints hold copy 0 (/cpu:0) under single-device names"
-          % all_reduce) in logs
-  assert [int(LOG_LINE.search(m).group(1)) for m in logs
+          % all_reduce) in lines
+  assert [int(LOG_LINE.search(m).group(1)) for m in lines
           if LOG_LINE.search(m)] == [1, 2, 3]
   # Copy 0 and its momentum alone, under the one-copy run's names, with its
   # values: 'add_n' is that run's step bit for bit, the others its sums in
@@ -1055,14 +1055,14 @@ def test_packing_changes_no_bit_of_the_trained_variables(
       assert mnist_train.train(
           train_dir=dirs[pack_bytes], data_dir=data_dir,
           pack_bytes=pack_bytes, **mode, **REPLICATED_RUN) == 3
-  logs = logs()
+  lines = logs()
   assert "--pack_bytes=0: packing off, each gradient is reduced on its own" in (
-      logs)
+      lines)
   if mode:
     assert ("--pack_bytes=16384: 5 of the 8 gradients are at most 16384 "
             "bytes; those reduced alike (one dtype, the same devices) share "
             "a pack, one transfer per tower instead of one per gradient (0 "
-            "turns packing off)") in logs
+            "turns packing off)") in lines
   # Every variable, slot and the step, bit for bit.
   packed, unpacked = (_checkpoint(dirs[p])
                       for p in (common.DEFAULT_PACK_BYTES, 0))
@@ -1116,9 +1116,9 @@ def test_checkpoints_resume_across_modes_and_set_every_copy(
 LOSS_SCALE_VARIABLES = ["loss_scale", "loss_scale_good_steps"]
 
 
-def _logged(logs):
-  """[(step, loss, rest of the line)] of the step lines in `logs`."""
-  found = [(LOG_LINE.search(m), m) for m in logs]
+def _logged(lines):
+  """[(step, loss, rest of the line)] of the step lines in `lines`."""
+  found = [(LOG_LINE.search(m), m) for m in lines]
   return [(int(f.group(1)), float(m.split("loss = ")[1].split()[0]),
            m[f.end():]) for f, m in found if f]
 
@@ -1130,16 +1130,16 @@ def test_half_precision_saves_float32_weights_that_eval_restores(
   train_dir = str(tmp_path / "train")
   assert mnist_train.train(train_dir=train_dir, data_dir=data_dir,
                            precision=precision, **REPLICATED_RUN) == 3
-  logs = logs()
+  lines = logs()
   float16 = precision == "float16"
   assert any(m.startswith("--precision=%s: the towers compute in %s on "
                           "float32 master weights" % (precision, precision))
-             and ("dynamic loss scaling" in m) == float16 for m in logs)
-  lines = _logged(logs)
-  assert [step for step, _, _ in lines] == [1, 2, 3]
-  assert all(np.isfinite(loss) for _, loss, _ in lines)
+             and ("dynamic loss scaling" in m) == float16 for m in lines)
+  logged = _logged(lines)
+  assert [step for step, _, _ in logged] == [1, 2, 3]
+  assert all(np.isfinite(loss) for _, loss, _ in logged)
   # Dynamic loss scaling starts at 2**15; no step of these overflows.
-  assert [rest for _, _, rest in lines] == (
+  assert [rest for _, _, rest in logged] == (
       [", loss scale = 32768"] * 3 if float16 else ["", "", ""])
   assert ("loss_scale" in summary_tags(train_dir)) == float16
   # The float32 run's variables, names and dtypes, and the loss scale.
