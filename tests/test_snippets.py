@@ -5,7 +5,9 @@ snippets take as given (``opt``, ``batch``, a ``model_fn``, ...), then an
 epilogue that trains what it built on virtual CPU devices for a few steps
 (the loss must fall) or runs what it computes. Snippets that run a session
 themselves run as they are. Every run is under an operation timeout and a
-process timeout: a snippet that would hang fails.
+process timeout: a snippet that would hang fails. TensorFlow's C++ log is on,
+and none may warn of an op changed after the session ran (an init op made
+too late).
 """
 
 import glob
