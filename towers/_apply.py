@@ -26,6 +26,7 @@ import tensorflow.compat.v1 as tf
 from towers import _copies
 from towers import _gradients
 from towers import _placement
+from towers import _reduction
 from towers import _replay
 
 # Where a routed apply_gradients keeps the optimizer's own.
@@ -91,7 +92,7 @@ def per_copy(grads_and_vars: _gradients.GradsAndVars
   copies = [_copies.copies_of(v) for _, v in pairs]
   groups = [pairs]
   targets = [t for (g, _), c in zip(pairs, copies) if c
-             for t in _gradients.tensors(g)]
+             for t in _reduction.tensors(g)]
   for index in range(1, max(map(len, copies), default=0) + 1):
     device = next(c[index - 1].device for c in copies if len(c) >= index)
     prefix = _copies.PREFIX % index
@@ -163,7 +164,7 @@ def _next_to_variables(pairs: _gradients.GradsAndVars) -> Iterator[None]:
   owned: Dict[str, str] = {}
   for grad, var in pairs:
     variables.setdefault(var.op.name, var.device)
-    for t in _gradients.tensors(grad):
+    for t in _reduction.tensors(grad):
       owned.setdefault(t.op.name, var.device)
   known = set(variables.values()) - {""}
 

@@ -103,14 +103,13 @@ def _shared_message(devices: Sequence[str], expected: Sequence[int],
                     found: tf.Tensor) -> tf.Tensor:
   """The check's error: which towers shared a device, and the fix."""
   n = len(devices)
-  # pairs[i][j]: tower i read tower j's number, so they shared a device.
-  pairs = [["tower %d (%s) with tower %d (%s)"
+  # pairs[i][j]: what tower i reading tower j's number says, "" for its own.
+  pairs = [["" if j == expected[i] else "tower %d (%s) with tower %d (%s); "
             % (i, devices[i], j, devices[j]) for j in range(n)]
            for i in range(n)]
   said = tf.gather_nd(tf.constant(pairs),
                       tf.stack([tf.range(n), found], axis=1))
-  shared = tf.strings.reduce_join(
-      tf.boolean_mask(said, tf.not_equal(found, expected)), separator="; ")
+  shared = tf.strings.regex_replace(tf.strings.reduce_join(said), "; $", "")
   return tf.strings.join([
       "towers shared a device: ", shared, ". The session lacks some of "
       "the tower devices (%s) and soft placement moved those towers onto "

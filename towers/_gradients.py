@@ -24,7 +24,6 @@ from towers import _shares
 Gradient = _reduction.Gradient
 GradsAndVars = List[Tuple[Optional[Gradient], tf.Variable]]
 Weight = _reduction.Weight
-tensors = _reduction.tensors
 
 
 def average_gradients(tower_grads: Sequence[GradsAndVars],
@@ -113,7 +112,8 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
   algorithm = _algorithm(tower_grads, all_reduce, device)
   tower_grads, decay = _regularization.without_weight_decay(tower_grads,
                                                             device)
-  flat = [t for tower in tower_grads for g, _ in tower for t in tensors(g)]
+  flat = [t for tower in tower_grads for g, _ in tower
+          for t in _reduction.tensors(g)]
   flat += [t for parts in decay.values() for part in parts for t in part]
   flat += list(control_inputs)
   positions = [_reduction.VariableGrads(pairs, device, algorithm)
