@@ -27,9 +27,8 @@ appended to the tower's, so it holds what the tower's k micro-batches
 touched, never the variable's full shape.
 """
 
-import contextlib
 import numbers
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
@@ -37,6 +36,7 @@ from towers import _copies
 from towers import _gradients
 from towers import _regularization
 from towers import _shares
+from towers import _tf_internals
 
 ApplyFn = Callable[[List[_gradients.GradsAndVars],
                     List[_gradients.Weight]], tf.Operation]
@@ -150,26 +150,12 @@ def accumulate_gradients(towers, apply_fn: ApplyFn,
           count.assign_add(1.0).op]):
         return tf.constant(False)
 
-    with _v1_control_flow():
-      applied = tf.cond(ready, apply, accumulate, name="apply_or_accumulate")
+    # A v1 condition even under control flow v2, whose branches would be
+    # graphs of their own, where the graph's state of the reduction (the
+    # workers' group, the instance keys, the copies) is not found.
+    applied = _tf_internals.cond_v1(ready, apply, accumulate,
+                                    name="apply_or_accumulate")
   return applied.op, applies
-
-
-@contextlib.contextmanager
-def _v1_control_flow() -> Iterator[None]:
-  """Builds ``tf.cond`` as ``Switch`` and ``Merge`` ops in this graph.
-
-  TensorFlow 2's functional cond builds each branch in a graph of its own,
-  where the per-graph state of the reduction (the workers' group, the
-  collective instance keys, the copies' averaged gradients) is not found.
-  """
-  enabled = tf.control_flow_v2_enabled()
-  tf.disable_control_flow_v2()
-  try:
-    yield
-  finally:
-    if enabled:
-      tf.enable_control_flow_v2()
 
 
 def check_steps(accumulate_steps: object) -> int:

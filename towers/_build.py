@@ -16,8 +16,8 @@ from towers import _losses
 from towers import _placement
 from towers import _precision
 from towers import _regularization
-from towers import _replay
 from towers import _shares
+from towers import _tf_internals
 from towers import _tower_loop
 from towers import _updates
 from towers import _workers
@@ -130,10 +130,10 @@ def build_towers(model_fn: Callable[..., object],
   first_vars: Dict[_losses.Key, List[tf.Variable]] = {}
 
   def tower(index, scope, batch, check):
-    start = _replay.last_op_id()
+    start = _tf_internals.last_op_id()
     losses, output = _losses.check_result(model_fn(scope, *batch), scope,
                                           keys)
-    made_by_model = _replay.made_after(start)
+    made_by_model = _tf_internals.made_after(start)
     # A Keras layer's updates (batch norm's), which nothing would run.
     _updates.collect(made_by_model, scope, list(losses.values()), output)
     if replicated and index > 0:
@@ -157,7 +157,7 @@ def build_towers(model_fn: Callable[..., object],
       var_lists.update(_losses.resolve(entries))
     grads = {}
     for key, loss in losses.items():
-      made = _replay.last_op_id()
+      made = _tf_internals.last_op_id()
       if index > 0 and replicated:
         grads[key] = _copies.tower_gradients(
             opts[key], loss, first_vars[key], index,

@@ -31,8 +31,8 @@ import tensorflow.compat.v1 as tf
 
 from towers import _collectives
 from towers import _devices
-from towers import _replay
 from towers import _state
+from towers import _tf_internals
 from towers import _workers
 
 Share = Union[float, tf.Tensor]
@@ -195,7 +195,7 @@ class TowerSet:
               _tower(self.scopes[fewest], fewest), self._calls[fewest]))
     if self.order:
       orders = _state.of(self.graph).launch_orders
-      orders.update((op, self.order) for op in _replay.made_after(start))
+      orders.update((op, self.order) for op in _tf_internals.made_after(start))
 
   def all_sum(self, index: int, tensor: tf.Tensor) -> tf.Tensor:
     """Tower `index`'s member of its next cross-tower sum, differentiable."""
@@ -211,8 +211,7 @@ class TowerSet:
 
   def _gradient(self, index: int, dy: tf.Tensor) -> tf.Tensor:
     current = tower_context()
-    if current is None or current._set is not self or (  # pylint: disable=protected-access
-        current.index != index):
+    if current is None or current.key != self.key or current.index != index:
       raise ValueError(
           "the gradient of %s's cross-tower sum (a synchronized batch norm, "
           "say) is being built outside that tower: its gradient is a "
@@ -232,7 +231,7 @@ class TowerSet:
 
   def _check_buildable(self, index: int) -> None:
     if tf.get_default_graph() is not self.graph or (
-        self.graph._get_control_flow_context() is not None):  # pylint: disable=protected-access
+        _tf_internals.control_flow_context(self.graph) is not None):
       raise ValueError(
           "a cross-tower sum (a synchronized batch norm, say) was built in "
           "%s inside tf.cond, tf.while_loop or a tf.function: its members "
@@ -280,7 +279,7 @@ class TowerSet:
     # too (a control edge added to an op already built, as TensorFlow's own
     # control flow does: there is no other way to reach a later tower).
     for other in self._results[k].values():
-      other._add_control_input(output.op)  # pylint: disable=protected-access
+      _tf_internals.add_control_input(other, output.op)
     self._results[k][index] = result.op
     return result
 

@@ -26,8 +26,8 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import tensorflow.compat.v1 as tf
 
-from towers import _replay
 from towers import _state
+from towers import _tf_internals
 
 PREFIX = "replica_%d/"
 
@@ -125,8 +125,8 @@ def read_copies(index: int, device: str, scope: str,
       copy = copy_of(primary, index)
       if copy is None:
         copy = _copy(_get_variable, primary, index, device)
-      # pylint: disable-next=protected-access
-      op._update_input(k, copy.value() if snapshot else copy.op.outputs[0])
+      _tf_internals.update_input(
+          op, k, copy.value() if snapshot else copy.op.outputs[0])
 
 
 def _get_variable(name: str, reuse=None, **kwargs) -> tf.Variable:
@@ -164,7 +164,7 @@ def record_averaged(pairs: List[Tuple[tf.Tensor, int, tf.Tensor]]) -> None:
   each copy's that is a tensor of its own, on the copy's device."""
   state = _state.of()
   if state.averaged_at is None:
-    state.averaged_at = _replay.last_op_id()
+    state.averaged_at = _tf_internals.last_op_id()
   for grad, index, copy_grad in pairs:
     state.averaged.setdefault(index, {})[grad.name] = copy_grad
 
@@ -172,7 +172,7 @@ def record_averaged(pairs: List[Tuple[tf.Tensor, int, tf.Tensor]]) -> None:
 def averaged_at() -> int:
   """The id of the last op that existed when gradients were first averaged
   (their transformation comes after it); without an average, the last op's."""
-  return _state.of().averaged_at or _replay.last_op_id()
+  return _state.of().averaged_at or _tf_internals.last_op_id()
 
 
 def stand_ins(index: int) -> Dict[str, tf.Tensor]:

@@ -29,6 +29,7 @@ import tensorflow.compat.v1 as tf
 
 from towers import _devices
 from towers import _placement
+from towers import _tf_internals
 
 
 def build(devices: Sequence[str], placer: _placement.DeviceFn,
@@ -126,5 +127,5 @@ def gate(tensor: tf.Tensor, check: Optional[tf.Operation]) -> tf.Tensor:
   arithmetic, and so what Grappler makes of it, stays the model's.
   """
   if check is not None:
-    tensor.op._add_control_input(check)  # pylint: disable=protected-access
+    _tf_internals.add_control_input(tensor.op, check)
   return tensor

@@ -232,10 +232,15 @@ def _tower(scope: str) -> str:
   return scope.rstrip("/")
 
 
+def is_variable(tensor: tf.Tensor) -> bool:
+  """Whether `tensor` is a variable itself: a handle or a reference (a
+  reference's dtype differs from its base dtype)."""
+  return tensor.dtype == tf.resource or tensor.dtype != tensor.dtype.base_dtype
+
+
 def _crosses(tensor: tf.Tensor) -> bool:
   """Whether the walk follows this edge: data, not a handle or reference."""
-  dtype = tensor.dtype
-  return not (dtype == tf.resource or dtype._is_ref_dtype)  # pylint: disable=protected-access
+  return not is_variable(tensor)
 
 
 def ancestors(start: tf.Operation) -> List[tf.Operation]:

@@ -180,17 +180,3 @@ def combine(tensors: List[tf.Tensor],
   if not divide:
     return total
   return total * tf.constant(1.0 / len(tensors), total.dtype)
-
-
-def opaque(tensor: tf.Tensor) -> tf.Tensor:
-  """`tensor`, as an input of an addition that Grappler leaves alone.
-
-  Grappler's arithmetic optimizer rewrites a tree of additions as one
-  ``AddN``, its inputs sorted by name: an addition whose input is itself a
-  sum (of weighted gradients) would join that sum's tree, and the order of
-  its additions would follow op names, differently for a pack's sum and an
-  unpacked one. A ``Snapshot`` between them keeps the trees apart.
-  """
-  if tensor.op.type in ("Add", "AddV2", "AddN"):
-    return tf.raw_ops.Snapshot(input=tensor)
-  return tensor

@@ -28,8 +28,8 @@ import tensorflow.compat.v1 as tf
 from towers import _allreduce
 from towers import _isolation
 from towers import _reduction
-from towers import _replay
 from towers import _state
+from towers import _tf_internals
 
 _SUMS = frozenset(["AddN", "AddV2", "Add"])
 # A gradient op's name: <scope>/gradients[_k]/<forward op>_grad[_k]/...
@@ -61,18 +61,15 @@ def place(losses: Sequence[tf.Tensor], batch: object,
                      "Placeholder")) for t in op.outputs]
   data = _isolation.descendants(starts) | {loss.op for loss in losses}
   reached = {op for loss in losses for op in _isolation.ancestors(loss.op)}
-  # pylint: disable-next=protected-access
   free = sorted((op for op in reached if op not in data),
-                key=lambda op: op._id)
+                key=_tf_internals.creation_index)
   names = {op.name for op in free}
   # Consumers first: an op is part of a term if data reads it as a scalar,
   # or if it feeds only ops of terms.
   term = set()
   for op in reversed(free):
     consumers = [c for t in op.outputs for c in t.consumers()]
-    # pylint: disable-next=protected-access
-    if not op.inputs or op._control_flow_context is not None or not (
-        consumers):
+    if not op.inputs or _tf_internals.in_control_flow(op) or not consumers:
       continue
     if all(c.name in term for c in consumers) or (
         all(t.shape.rank == 0 for t in op.outputs) and
@@ -84,27 +81,22 @@ def place(losses: Sequence[tf.Tensor], batch: object,
     """Where a term's input is: a read is next to its variable."""
     if op.name in devices:
       return devices[op.name]
-    return next((t.op.device for t in op.inputs if _is_variable(t)), "")
+    return next((t.op.device for t in op.inputs
+                 if _isolation.is_variable(t)), "")
 
   # Inputs first: an op goes where its inputs' variables are.
   for op in free:
     if op.name not in term:
       continue
-    if any(_is_variable(t) for t in op.inputs):
+    if any(_isolation.is_variable(t) for t in op.inputs):
       # A read: TensorFlow places it with its variable.
       devices[op.name] = home(op)
       continue
     device = next((d for d in (home(t.op) for t in op.inputs) if d), "")
     if device:
       devices[op.name] = device
-      # pylint: disable-next=protected-access
-      op._set_device(device)
+      _tf_internals.set_device(op, device)
   return devices
-
-
-def _is_variable(tensor: tf.Tensor) -> bool:
-  """Whether `tensor` is a variable itself: a handle or a reference."""
-  return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # pylint: disable=protected-access
 
 
 def split(grads_and_vars: Sequence[Tuple[object, tf.Variable]], after: int,
@@ -120,13 +112,12 @@ def split(grads_and_vars: Sequence[Tuple[object, tf.Variable]], after: int,
   if not terms:
     return
   moved = set()
-  for op in _replay.made_after(after):
+  for op in _tf_internals.made_after(after):
     found = _GRADIENT_OF.search(op.name)
     device = terms.get(found.group(1)) if found else None
     if device:
       moved.add(op.name)
-      # pylint: disable-next=protected-access
-      op._set_device(device)
+      _tf_internals.set_device(op, device)
   for grad, _ in grads_and_vars:
     if not isinstance(grad, tf.Tensor) or grad.op.type not in _SUMS or \
         grad.op.name in moved:
@@ -137,8 +128,7 @@ def split(grads_and_vars: Sequence[Tuple[object, tf.Variable]], after: int,
       record(grad, data, decay)
       # TensorFlow colocates the sum with its first input, which the
       # placer then holds the moved part to, wherever it was put.
-      if "_class" in grad.op.node_def.attr:
-        grad.op._clear_attr("_class")  # pylint: disable=protected-access
+      _tf_internals.clear_colocation(grad.op)
 
 
 def record(grad: tf.Tensor, data: List[tf.Tensor],
@@ -186,7 +176,7 @@ def without_weight_decay(tower_grads: Sequence[Sequence[Tuple[object, object]]],
       continue
     if device is None:
       for grad, _ in pairs:
-        grad.op._set_device(home)  # pylint: disable=protected-access
+        _tf_internals.set_device(grad.op, home)
       continue
     decay[i] = [p[1] for p in split_parts if p is not None]
     data.update(((j, i), p[0]) for j, p in enumerate(split_parts)
@@ -208,7 +198,7 @@ def add_weight_decay(results: List[Optional[_reduction.Gradient]],
     per_tower = [_allreduce.sum_in_order(p) for p in decay]
     if not uniform:
       per_tower = [_reduction.scaled(t, w) for t, w in zip(per_tower, weights)]
-    total = _reduction.opaque(_reduction.combine(
+    total = _tf_internals.apart_from_sums(_reduction.combine(
         per_tower, _allreduce.sum_in_order, uniform))
   homes = position.variables[:1] if position.shared else position.variables
   done: Dict[int, _reduction.Gradient] = {}
@@ -216,5 +206,5 @@ def add_weight_decay(results: List[Optional[_reduction.Gradient]],
     if id(result) not in done:
       with tf.device(var.device):
         done[id(result)] = tf.add(
-            _reduction.opaque(tf.convert_to_tensor(result)), total)
+            _tf_internals.apart_from_sums(tf.convert_to_tensor(result)), total)
   return [done[id(result)] for result in results]

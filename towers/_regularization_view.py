@@ -21,6 +21,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
+from towers import _tf_internals
+
 _KEY = tf.GraphKeys.REGULARIZATION_LOSSES
 
 
@@ -89,9 +91,7 @@ def tower(scope: str, first_scope: Optional[str] = None,
     if name is not None:
       first[name] = loss
   view = _TowerCollection(before, scope, first)
-  # No public API installs a collection's list: TensorFlow keeps them in
-  # this dict, and every addition goes through the list's append.
-  graph._collections[_KEY] = view  # pylint: disable=protected-access
+  _tf_internals.install_collection(graph, _KEY, view)
   try:
     yield kept
   finally:

@@ -13,10 +13,11 @@ so are ops that read only a replaced tensor's shape: the copies' shapes are
 copy 0's, and a random op fed by a shape then draws once for every copy.
 """
 
-import contextlib
-from typing import Dict, Iterator, List, Sequence, Set
+from typing import Dict, List, Sequence, Set
 
 import tensorflow.compat.v1 as tf
+
+from towers import _tf_internals
 
 # Ops whose output depends on their input's shape, not its values.
 SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
@@ -55,8 +56,7 @@ def replay(targets: Sequence[tf.Tensor], replaced: Dict[str, tf.Tensor],
     if not _replayable(op) or any(t.op.name in blocked for t in op.inputs):
       blocked.add(op.name)
   graph = tf.get_default_graph()
-  # pylint: disable-next=protected-access
-  context = graph._get_control_flow_context()
+  context = _tf_internals.control_flow_context(graph)
   built: Dict[str, tf.Tensor] = dict(replaced)
   ops: Dict[str, tf.Operation] = {}
   for op in order:
@@ -64,51 +64,17 @@ def replay(targets: Sequence[tf.Tensor], replaced: Dict[str, tf.Tensor],
       continue
     inputs = [built.get(t.name, t) for t in op.inputs]
     controls = [ops.get(c.name, c) for c in op.control_inputs]
-    attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
     # No outer control dependency: the op waits for what the original waited
     # for, no more. It stays in the caller's condition, if any (an
     # accumulated step's apply).
-    with tf.control_dependencies(None), _in_context(graph, context), \
-        tf.control_dependencies(controls), tf.device(device), \
-        tf.name_scope(None):
-      new = graph.create_op(
-          op.type, inputs, [t.dtype for t in op.outputs],
-          input_types=[t.dtype for t in op.inputs], name=prefix + op.name,
-          attrs=attrs, op_def=op.op_def)
+    with tf.control_dependencies(None), _tf_internals.entered(
+        graph, context), tf.control_dependencies(controls), \
+        tf.device(device), tf.name_scope(None):
+      new = _tf_internals.copy_op(op, inputs, prefix + op.name)
     ops[op.name] = new
-    for old, tensor in zip(op.outputs, new.outputs):
-      tensor.set_shape(old.shape)
-      built[old.name] = tensor
+    built.update((old.name, t) for old, t in zip(op.outputs, new.outputs))
   return [t if t.op.name in blocked else built.get(t.name, t)
           for t in targets]
-
-
-@contextlib.contextmanager
-def _in_context(graph: tf.Graph, context) -> Iterator[None]:
-  """Enters control-flow context `context` (which
-  ``tf.control_dependencies(None)`` leaves)."""
-  # pylint: disable=protected-access
-  outer = graph._get_control_flow_context()
-  graph._set_control_flow_context(context)
-  try:
-    yield
-  finally:
-    graph._set_control_flow_context(outer)
-
-
-def last_op_id() -> int:
-  """The id of the default graph's last op (0 if it has none): ops made
-  later have larger ids."""
-  ops = tf.get_default_graph().get_operations()
-  # pylint: disable-next=protected-access
-  return ops[-1]._id if ops else 0
-
-
-def made_after(op_id: int) -> List[tf.Operation]:
-  """The default graph's ops made after op `op_id`."""
-  # pylint: disable-next=protected-access
-  return [op for op in tf.get_default_graph().get_operations()
-          if op._id > op_id]
 
 
 def _ops_between(targets: Sequence[tf.Tensor], replaced: Dict[str, tf.Tensor],
@@ -127,8 +93,7 @@ def _ops_between(targets: Sequence[tf.Tensor], replaced: Dict[str, tf.Tensor],
       op, expanded = stack.pop()
       if op.name in depends:
         continue
-      # pylint: disable-next=protected-access
-      old = op._id <= after
+      old = _tf_internals.creation_index(op) <= after
       inputs = [] if op.type in SHAPE_OPS or old else list(op.inputs)
       if not expanded:
         on_path.add(op.name)

@@ -22,8 +22,8 @@ from towers import _placement
 from towers import _precision
 from towers import _reduction
 from towers import _regularization_view
-from towers import _replay
 from towers import _staging
+from towers import _tf_internals
 
 
 BuiltTowers = collections.namedtuple("BuiltTowers", [
@@ -97,7 +97,7 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
   tower_set = _context.TowerSet(devices, uniform=not sized and (
       weights is None or _reduction.is_uniform(weights)), device_check=check)
-  start = _replay.last_op_id()
+  start = _tf_internals.last_op_id()
   results, batches, sizes = [], [], []
   scopes: List[str] = []
   # The regularization losses each tower added.
