@@ -13,11 +13,17 @@
 #           then every test, the examples' and the benchmark's included,
 #           under resource variables;
 #   oldest  TensorFlow 2.12 (numpy<2): library tests under both kinds of
-#           variables.
+#           variables;
+#   nightly the next TensorFlow: the newest tf-nightly-cpu the registry serves
+#           (or $TF_NIGHTLY, e.g. tf-nightly), with the tf_keras nightly of its
+#           version; library tests under both kinds of variables. Not in the
+#           default run (a nightly can break for reasons of its own): run it
+#           before each release, and before raising setup.py's bound.
 # Python: python3 (or $PYTHON) must be 3.10 or 3.11 for the default run:
 # TensorFlow 2.21 has wheels for Python 3.10-3.13, TensorFlow 2.12 for
 # 3.8-3.11. The script checks this first and exits with status 2 otherwise.
-# Usage: bash scripts/test.sh [checks] [newest] [oldest]   (default: all three)
+# Usage: bash scripts/test.sh [checks] [newest] [oldest] [nightly]
+#        (default: checks newest oldest)
 # Virtualenvs go to $VENV_ROOT (default .venv-test/), made anew on each run;
 # pip's cache is reused. A failed check or test does not stop the run: the
 # last line counts them all, and the exit status is 1 if any failed.
@@ -36,14 +42,15 @@ envs=("$@")
 lowest=0; highest=99; newest_tf=""; oldest_tf=""
 for env in "${envs[@]}"; do
   case "$env" in
-    checks|newest)  # TensorFlow 2.21 (the checks' wheel[tf] installs it too)
+    checks|newest|nightly)  # TensorFlow 2.21 (the checks' wheel[tf] too)
       low=10; high=13
       newest_tf="TensorFlow 2.21 has wheels for Python 3.10-3.13" ;;
     oldest)
       low=8; high=11
       oldest_tf="TensorFlow 2.12 has wheels for Python 3.8-3.11" ;;
     *)
-      echo "unknown environment '$env' (expected checks, newest or oldest)" >&2
+      echo "unknown environment '$env' (expected checks, newest, oldest or" \
+        "nightly)" >&2
       exit 2 ;;
   esac
   if [ "$low" -gt "$lowest" ]; then lowest=$low; fi
@@ -225,11 +232,25 @@ for env in "${envs[@]}"; do
         --ignore=tests/test_benchmarks.py
       summary+=("$(describe "$py" "ref + resource")")
       ;;
+    nightly)
+      # tf_keras's nightly pins tf-nightly, a second TensorFlow beside
+      # tf-nightly-cpu: it goes in without its dependencies.
+      py=$(make_venv nightly --pre "${TF_NIGHTLY:-tf-nightly-cpu}" -e ".[test]")
+      keras_req=$("$py" -c 'import tensorflow as tf
+print("tf-keras-nightly~=%s.0.dev" % ".".join(tf.__version__.split(".")[:2]))')
+      "$py" -m pip install -q --pre --no-deps "$keras_req"
+      tests "$py" tests --ref-variables --ignore=tests/examples \
+        --ignore=tests/test_benchmarks.py "${once_only[@]}"
+      tests "$py" tests --ignore=tests/examples \
+        --ignore=tests/test_benchmarks.py
+      summary+=("$(describe "$py" "ref + resource (nightly)")")
+      ;;
   esac
 done
 
-# The README's compatibility table must list every TensorFlow tested here.
+# The README's compatibility table must list every release tested here.
 for row in "${summary[@]+"${summary[@]}"}"; do
+  case "$row" in *"(nightly)"*) continue ;; esac
   minor=$(echo "$row" | sed -E 's/^\| ([0-9]+\.[0-9]+)\..*/\1/')
   check "README.md's compatibility table lists TensorFlow $minor" \
     grep -qE "^\| $minor(\.[0-9x]+)? \|" README.md
