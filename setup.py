@@ -30,6 +30,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={
+        # The bound is the minor after the newest release scripts/test.sh
+        # tests: it rises once a release passes there, never ahead of one.
         # tensorboard: TensorFlow <= 2.20 brings the matching version, 2.21
         # no longer does; the range matches the TensorFlow range, and each of
         # TensorFlow 2.12-2.20 pins its own minor version.
