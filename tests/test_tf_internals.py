@@ -233,6 +233,10 @@ def test_cond_v1_builds_switch_and_merge_and_runs_one_branch():
     assert {"Switch", "Merge"} <= types
     assert not types & {"If", "StatelessIf"}
     assert len(graph.get_collection(tf.GraphKeys.COND_CONTEXT)) == 2
+    # The Merge reads each branch's own scalar result, made in its branch.
+    assert out.op.type == "Merge" and out.shape == []
+    assert [t.shape for t in out.op.inputs] == [[], []]
+    assert all(_tf_internals.in_control_flow(t.op) for t in out.op.inputs)
     with _session(graph) as sess:
       sess.run(tf.global_variables_initializer())
       assert sess.run(out, {pred: True})

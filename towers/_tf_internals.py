@@ -160,7 +160,8 @@ def cond_v1(pred: tf.Tensor, true_fn: Callable[[], tf.Tensor],
   this graph, whatever control flow v2's process-wide switch says.
 
   Both functions return a scalar tensor of one dtype. Relies on
-  ``CondContext`` (``Enter``, ``BuildCondBranch``, ``Exit``), the context the
+  ``CondContext`` (``Enter``, ``BuildCondBranch`` returning the flattened
+  result, ``Exit``), the context the
   v1 ``tf.cond`` builds each branch in: it switches every tensor a branch
   reads from outside, so the branch's ops run only when taken. Nested
   conditions follow the switch as they would anyway. Checked on TensorFlow
@@ -180,8 +181,9 @@ def cond_v1(pred: tf.Tensor, true_fn: Callable[[], tf.Tensor],
       context = control_flow_ops.CondContext(pred, pivot, branch=branch)
       context.Enter()
       try:
-        _, result = context.BuildCondBranch(fn)
-        context.ExitResult(result)
+        # The branch's result flattened: a list of one tensor here.
+        _, (result,) = context.BuildCondBranch(fn)
+        context.ExitResult([result])
       finally:
         context.Exit()
       results.append(result)
