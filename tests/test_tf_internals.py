@@ -81,6 +81,14 @@ def test_add_control_input_runs_the_control_first():
       assert [sess.run(read), sess.run(read)] == [1.0, 2.0]
 
 
+def _assert_six_on_cpu1(graph, y):
+  with _session(graph) as sess:
+    sess.run(tf.global_variables_initializer())
+    value, placed = _run_placed(sess, y)
+  assert value == 6.0
+  assert placed[y.op.name].endswith("/device:CPU:1"), placed
+
+
 def test_set_device_moves_the_op_in_the_partition_graphs():
   with tf.Graph().as_default() as graph:
     with tf.device("/cpu:0"):
@@ -88,11 +96,7 @@ def test_set_device_moves_the_op_in_the_partition_graphs():
       y = tf.multiply(tf.convert_to_tensor(x), 3.0, name="y")
     _tf_internals.set_device(y.op, "/cpu:1")
     assert y.op.device == "/cpu:1"
-    with _session(graph) as sess:
-      sess.run(tf.global_variables_initializer())
-      value, placed = _run_placed(sess, y)
-  assert value == 6.0
-  assert placed[y.op.name].endswith("/device:CPU:1"), placed
+  _assert_six_on_cpu1(graph, y)
 
 
 def test_clear_colocation_frees_the_op_to_go_to_its_own_device():
@@ -107,11 +111,7 @@ def test_clear_colocation_frees_the_op_to_go_to_its_own_device():
     _tf_internals.clear_colocation(y.op)  # Without colocation: a no-op.
     assert y.op.colocation_groups() == [_group(y.op)]
     _tf_internals.set_device(y.op, "/cpu:1")
-    with _session(graph) as sess:
-      sess.run(tf.global_variables_initializer())
-      value, placed = _run_placed(sess, y)
-  assert value == 6.0
-  assert placed[y.op.name].endswith("/device:CPU:1"), placed
+  _assert_six_on_cpu1(graph, y)
 
 
 def test_creation_index_follows_the_order_ops_were_made():
