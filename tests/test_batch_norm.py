@@ -200,7 +200,72 @@ def _sorted_rows(a):
   return a[np.lexsort(a.T[::-1])]
 
 
-@pytest.mark.parametrize("fetch", ["tower_1_output", "loss", "tower_0_grads"])
+def through_all_sum(h, name):
+  """Synchronized batch norm as TensorFlow differentiates it: the count,
+  sum and sum of squares through TowerContext.all_sum, then
+  tf.nn.batch_normalization (what the layer's written gradient replaces)."""
+  context = towers.tower_context()
+  axes = list(range(h.shape.rank - 1))
+  channels = h.shape[-1]
+  with tf.variable_scope(name):
+    gamma = tf.get_variable("gamma", [channels],
+                            initializer=tf.ones_initializer())
+    beta = tf.get_variable("beta", [channels],
+                           initializer=tf.zeros_initializer())
+  count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(h), axes)), h.dtype)
+  stats = context.all_sum(tf.concat([[count], tf.reduce_sum(h, axes),
+                                     tf.reduce_sum(tf.square(h), axes)], 0))
+  mean = stats[1:1 + channels] / stats[0]
+  variance = stats[1 + channels:] / stats[0] - tf.square(mean)
+  return tf.nn.batch_normalization(h, mean, variance, beta, gamma, 1e-3)
+
+
+def assert_trained_alike(got, want, atol):
+  np.testing.assert_allclose(got["out"], want["out"], rtol=0, atol=atol)
+  for name, grad in want["grads"].items():
+    np.testing.assert_allclose(got["grads"][name], grad, rtol=0, atol=atol,
+                               err_msg=name)
+    np.testing.assert_allclose(got["values"][name], want["values"][name],
+                               rtol=0, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("num_towers,batch,kwargs", [
+    (2, 8, {}), (3, 10, {}), (4, 10, {}),
+    (3, 10, {"variable_device": "replicated", "all_reduce": "collective"})],
+                         ids=["2x8", "3x10", "4x10", "replicated"])
+@pytest.mark.parametrize("training", ["true", "tensor"])
+def test_the_written_gradient_is_the_one_through_the_sum(num_towers, batch,
+                                                         kwargs, training):
+  x, y = data(batch)
+
+  def layer(h, name):
+    flag = True if training == "true" else tf.placeholder_with_default(
+        True, [])
+    return towers.batch_normalization(h, training=flag, name=name)
+
+  want = on_towers(num_towers, x, y, steps=2, batch_norm=through_all_sum,
+                   **kwargs)
+  got = on_towers(num_towers, x, y, steps=2, batch_norm=layer, **kwargs)
+  assert sorted(got["grads"]) == sorted(want["grads"])
+  assert_trained_alike(got, want, atol=2e-5)
+
+
+def test_a_false_training_tensor_gives_the_inference_gradient():
+  x, y = data(10)
+
+  def layer(tensor):
+    return lambda h, name: towers.batch_normalization(
+        h, training=tf.placeholder_with_default(False, []) if tensor
+        else False, name=name)
+
+  # No step: with the moving averages' initial values, steps diverge.
+  want = on_towers(3, x, y, batch_norm=layer(False))
+  got = on_towers(3, x, y, batch_norm=layer(True))
+  assert_trained_alike(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("fetch", ["tower_1_output", "loss", "tower_0_grads",
+                                   "tower_2_grads"])
 def test_any_single_fetch_runs_the_whole_group(fetch):
   x, y = data(8)
   with tf.Graph().as_default():
@@ -208,7 +273,8 @@ def test_any_single_fetch_runs_the_whole_group(fetch):
                             inputs=(tf.constant(x), tf.constant(y)),
                             devices=devices(3))
     target = {"tower_1_output": t.outputs[1], "loss": t.loss,
-              "tower_0_grads": [g for g, _ in t.tower_grads[0]]}[fetch]
+              "tower_0_grads": [g for g, _ in t.tower_grads[0]],
+              "tower_2_grads": [g for g, _ in t.tower_grads[2]]}[fetch]
     with tf.Session(config=config(3)) as sess:
       sess.run(tf.global_variables_initializer())
       sess.run(target)  # would wait for ever (here: 60 s, then fail)
@@ -348,7 +414,7 @@ def test_towers_building_different_layers_are_refused():
         h = towers.batch_normalization(h, training=True, name="bn")
       return tf.reduce_mean(tf.square(h[..., 0] - b[:, None, None, 0]))
 
-    with pytest.raises(ValueError, match="tower_0 built 1 cross-tower sums"
+    with pytest.raises(ValueError, match="tower_0 built 2 cross-tower sums"
                        ".* but tower_1 built 0"):
       towers.build_towers(tower, tf.train.GradientDescentOptimizer(0.1), 2,
                           inputs=(tf.constant(x), tf.constant(y)),

@@ -17,6 +17,7 @@ initial values, the moving averages' update), so checkpoints interchange with
 
 from typing import List, Optional, Sequence, Union
 
+import numpy as np
 import tensorflow.compat.v1 as tf
 
 from towers import _context
@@ -127,7 +128,7 @@ def batch_normalization(inputs,
     if learning is not None and not learning:
       mean, variance = moving_mean, moving_variance
     else:
-      mean, variance, count = _moments(x, reduced, context)
+      mean, variance, count = _moments(x, reduced, shape, context)
       unbiased = fused is not False and _fusable(axes, rank, compute_dtype)
       _add_updates(moving_mean, moving_variance, mean, variance, count,
                    momentum, unbiased, None if learning else training)
@@ -137,10 +138,24 @@ def batch_normalization(inputs,
                        lambda: tf.convert_to_tensor(moving_mean))
         variance = tf.cond(training, lambda: batch_variance,
                            lambda: tf.convert_to_tensor(moving_variance))
-    outputs = tf.nn.batch_normalization(
-        x, tf.reshape(mean, broadcast), tf.reshape(variance, broadcast),
-        None if beta is None else tf.reshape(beta, broadcast),
-        None if gamma is None else tf.reshape(gamma, broadcast), epsilon)
+
+    # Per-feature values (of the variables' shape) against the input: as
+    # they are where they broadcast, reshaped where the feature axis is
+    # not the last.
+    def against_x(t):
+      return t if t is None or len(axes) > 1 or axes[0] == rank - 1 else (
+          tf.reshape(t, broadcast))
+
+    if _synchronized_in(context) and (learning is None or learning):
+      outputs = _synchronized(x, mean, variance, count, gamma, beta, epsilon,
+                              reduced, against_x, context,
+                              None if learning else training,
+                              _kernels_take(axes, rank, compute_dtype,
+                                            epsilon))
+    else:
+      outputs = tf.nn.batch_normalization(
+          x, against_x(mean), against_x(variance), against_x(beta),
+          against_x(gamma), epsilon)
     return tf.cast(outputs, inputs.dtype)
 
 
@@ -169,29 +184,138 @@ def _fusable(axes: List[int], rank: int, dtype: tf.DType) -> bool:
       1, rank - 1) and dtype in (tf.float16, tf.bfloat16, tf.float32)
 
 
-def _moments(x: tf.Tensor, reduced: List[int],
+def _synchronized_in(context: Optional[_context.TowerContext]) -> bool:
+  """Whether the statistics are summed across towers (or workers)."""
+  return context is not None and (context.num_towers > 1
+                                  or _workers.count() > 1)
+
+
+def _kernels_take(axes: List[int], rank: int, dtype: tf.DType,
+                  epsilon: float) -> bool:
+  """Whether TensorFlow's fused kernels take `x`: 4-D, channels last,
+  float32, and an epsilon cuDNN accepts."""
+  return rank == 4 and axes == [3] and dtype == tf.float32 and (
+      epsilon >= 1.001e-5)
+
+
+def _moments(x: tf.Tensor, reduced: List[int], shape: List[int],
              context: Optional[_context.TowerContext]):
-  """The batch mean and (biased) variance over `reduced`, and the count:
-  the global batch's inside towers."""
-  shape = tf.shape(x)
-  count = tf.cast(tf.reduce_prod(tf.gather(shape, reduced)), x.dtype)
-  if context is None or (context.num_towers == 1
-                         and _workers.count() == 1):
-    mean, variance = tf.nn.moments(x, reduced, keepdims=True)
+  """The batch mean and (biased) variance over `reduced`, of the variables'
+  `shape`, and the count (a scalar, or a vector of one): the global
+  batch's inside towers."""
+  count = _count(x, reduced)
+  keepdims = len(shape) > 1
+  if not _synchronized_in(context):
+    mean, variance = tf.nn.moments(x, reduced, keepdims=keepdims)
     return mean, variance, count
   with tf.name_scope("global_moments"):
-    total = tf.reduce_sum(x, reduced, keepdims=True)
-    squares = tf.reduce_sum(tf.square(x), reduced, keepdims=True)
-    size = tf.size(total)
-    stats = context.all_sum(tf.concat(
-        [tf.reshape(count, [1]), tf.reshape(total, [-1]),
-         tf.reshape(squares, [-1])], 0))
-    count = stats[0]
-    mean = tf.reshape(stats[1:1 + size], tf.shape(total)) / count
-    mean_of_squares = tf.reshape(stats[1 + size:], tf.shape(total)) / count
+    total = tf.reduce_sum(x, reduced, keepdims=keepdims)
+    # The norm reads x once, with no squared copy of it: faster than
+    # summing tf.square(x), within a rounding.
+    squares = tf.square(tf.math.reduce_euclidean_norm(x, reduced,
+                                                      keepdims=keepdims))
+    size = int(np.prod(shape))
+    # One cross-tower sum of all three; the layer's own gradient
+    # (`_synchronized`) never differentiates it.
+    count, total, squares = tf.split(context.all_sum(tf.concat(
+        [count, _flat(total), _flat(squares)], 0)),
+                                     [1, size, size])
+    mean = _shaped(total, shape) / count
     # Rounding can leave a variance of a constant feature slightly below 0.
-    variance = tf.maximum(mean_of_squares - tf.square(mean), 0.0)
+    variance = tf.maximum(_shaped(squares, shape) / count - tf.square(mean),
+                          0.0)
   return mean, variance, count
+
+
+def _count(x: tf.Tensor, reduced: List[int]) -> tf.Tensor:
+  """The number of values each feature has in `x`, a vector of one: a
+  constant where the reduced axes' sizes are known."""
+  sizes = [tf.compat.dimension_value(x.shape[i]) for i in reduced]
+  if all(s is not None for s in sizes):
+    return tf.constant([float(np.prod(sizes))], x.dtype)
+  return tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), reduced),
+                                keepdims=True), x.dtype)
+
+
+def _flat(t: tf.Tensor) -> tf.Tensor:
+  return t if t.shape.rank == 1 else tf.reshape(t, [-1])
+
+
+def _shaped(t: tf.Tensor, shape: List[int]) -> tf.Tensor:
+  return t if t.shape.as_list() == list(shape) else tf.reshape(t, shape)
+
+
+def _synchronized(x, mean, variance, count, gamma, beta, epsilon: float,
+                  reduced: List[int], against_x, context: _context.TowerContext,
+                  training, fused: bool) -> tf.Tensor:
+  """Normalizes `x` with the global batch's `mean` and `variance` (of the
+  variables' shape), with the gradient of the global batch's loss.
+
+  The gradient is written out rather than differentiated through the
+  statistics: each tower's sums of ``dy`` and of ``dy * xhat`` go through
+  one cross-tower sum (`TowerContext.gradient_sum`), and ``dx = scale *
+  (dy - (S1 + xhat * S2) / count)``, ``S`` those sums. `training`, a
+  tensor or None (true), keeps the statistics' part only when true. If
+  `fused`, TensorFlow's fused kernels (in inference mode, given the
+  statistics) do the work on `x`: one op forward, two and a subtraction
+  backward.
+  """
+  shape = mean.shape.as_list()
+  keepdims = len(shape) > 1
+
+  def kernel(x, scale, offset):
+    return tf.raw_ops.FusedBatchNormV3(
+        x=x, scale=scale, offset=offset, mean=mean, variance=variance,
+        epsilon=epsilon, data_format="NHWC", is_training=False)
+
+  @tf.custom_gradient
+  def normalized(x, *params):
+    inv = tf.math.rsqrt(variance + epsilon)
+    scale = inv if gamma is None else inv * params[0]
+    if fused:
+      gamma_t = tf.ones_like(mean) if gamma is None else params[0]
+      forward = kernel(x, gamma_t, tf.zeros_like(mean) if beta is None
+                       else params[-1])
+      y = forward.y
+    else:
+      shift = -mean * scale if beta is None else params[-1] - mean * scale
+      y = x * against_x(scale) + against_x(shift)
+
+    def grad(dy):
+      with tf.name_scope("synchronized_grad"):
+        if fused:
+          # dy * scale, and this tower's sums of dy * xhat and of dy.
+          dx, sum_dy_xhat, sum_dy, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+              y_backprop=dy, x=x, scale=gamma_t, reserve_space_1=mean,
+              reserve_space_2=variance,
+              reserve_space_3=forward.reserve_space_3, epsilon=epsilon,
+              data_format="NHWC", is_training=False)
+        else:
+          dx = dy * against_x(scale)
+          sum_dy = tf.reduce_sum(dy, reduced, keepdims=keepdims)
+          sum_dy_xhat = (tf.reduce_sum(dy * x, reduced, keepdims=keepdims)
+                         - mean * sum_dy) * inv
+        total_dy, total_dy_xhat = [_shaped(t, shape) for t in tf.split(
+            context.gradient_sum(tf.concat(
+                [_flat(sum_dy), _flat(sum_dy_xhat)], 0)), 2)]
+        # The statistics' part of dx: xhat * a + b.
+        k = scale / count
+        a, b = k * total_dy_xhat, k * total_dy
+        if training is not None:
+          on = tf.cast(training, x.dtype)
+          a, b = a * on, b * on
+        if fused:
+          dx -= kernel(x, a, b).y
+        else:
+          a *= inv
+          dx -= x * against_x(a) + against_x(b - mean * a)
+        return [dx] + [sum_dy_xhat] * (gamma is not None) + [sum_dy] * (
+            beta is not None)
+
+    return y, grad
+
+  return normalized(x, *[tf.convert_to_tensor(p) for p in (gamma, beta)
+                         if p is not None])
 
 
 def _add_updates(moving_mean, moving_variance, mean, variance, count,
@@ -203,7 +327,7 @@ def _add_updates(moving_mean, moving_variance, mean, variance, count,
     # The fused kernel's batch variance: n / (n - 1) times the biased one.
     variance = variance * (count / tf.maximum(count - 1.0, 1.0))
   for var, value in ((moving_mean, mean), (moving_variance, variance)):
-    value = tf.reshape(value, var.shape)
+    value = _shaped(value, var.shape.as_list())
 
     def assign(var=var, value=value):
       with tf.name_scope("AssignMovingAvg"), tf.colocate_with(var):

@@ -115,6 +115,31 @@ class TowerContext:
         return tf.identity(tensor)
       return self._set.all_sum(self._index, tensor)
 
+  def gradient_sum(self, dy, name: Optional[str] = None) -> tf.Tensor:
+    """Returns what the gradient of `all_sum` returns for `dy`, in this tower.
+
+    For layers that write their own gradient (``tf.custom_gradient``, as
+    `batch_normalization` does) around a cross-tower sum: the towers' `dy`
+    summed, weighted by their shares of the global batch, over this
+    tower's share, as one more cross-tower sum (with one tower, an
+    identity). Build it in the gradient, inside the tower.
+
+    Args:
+      dy: a dense tensor (or what converts to one).
+      name: the name scope of the ops (default ``'all_sum_grad'``).
+
+    Returns:
+      A tensor of `dy`'s dtype and shape on this tower's device.
+
+    Raises:
+      ValueError: as for `all_sum`, or if built outside this tower.
+    """
+    with tf.name_scope(name, "all_sum_grad"):
+      dy = tf.convert_to_tensor(dy)
+      if self.num_towers == 1 and _workers.count() == 1:
+        return tf.identity(dy)
+      return self._set.gradient_sum(self._index, dy)
+
 
 def tower_context() -> Optional[TowerContext]:
   """Returns the tower being built, or None outside `build_towers`.
@@ -204,12 +229,14 @@ class TowerSet:
     @tf.custom_gradient
     def summed(x):
       def grad(dy):
-        return self._gradient(index, dy)
+        return self.gradient_sum(index, dy)
       return self._sum(index, x), grad
 
     return summed(tensor)
 
-  def _gradient(self, index: int, dy: tf.Tensor) -> tf.Tensor:
+  def gradient_sum(self, index: int, dy: tf.Tensor) -> tf.Tensor:
+    """Tower `index`'s gradient of its next cross-tower sum, given `dy`:
+    the towers' `dy` summed, weighted by their shares, over its own."""
     current = tower_context()
     if current is None or current.key != self.key or current.index != index:
       raise ValueError(
