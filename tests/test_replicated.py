@@ -7,6 +7,8 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from towers import _allreduce
+from towers import _collectives
 from models import (batch, config as _config, devices, initial_values,
                     loss_fn, model_fn, reference_gradients,
                     reference_training)
@@ -487,3 +489,47 @@ def test_auto_is_collective_on_gpus_and_add_n_on_cpus():
         inputs=tuple(tf.constant(a) for a in batch(4)), devices=devices(2),
         variable_device="replicated")
     assert t.all_reduce == "add_n"
+
+
+def _sums(algorithm, num, divisor, fetch_last_only=False):
+  """`_allreduce.all_sum` of `num` towers' tensors, divided by `divisor`
+  where each sum is finished; and, the path it replaces, the sums divided
+  by it on every device afterwards."""
+  rng = np.random.RandomState(num)
+  values = [rng.normal(size=(37, 5)).astype(np.float32) for _ in range(num)]
+  with tf.Graph().as_default():
+    tensors = []
+    for value, device in zip(values, devices(num)):
+      with tf.device(device):
+        tensors.append(tf.constant(value))
+    order = _collectives.LaunchOrder()
+    means = _allreduce.all_sum(tensors, devices(num), algorithm, order,
+                               divisor=divisor)
+    replaced = []
+    for total, device in zip(_allreduce.all_sum(
+        tensors, devices(num), algorithm, order), devices(num)):
+      with tf.device(device):
+        replaced.append(total * tf.constant(1.0 / divisor, tf.float32))
+    with tf.Session(config=_config(num)) as sess:
+      if fetch_last_only:
+        # One device's mean runs its whole group (else: the timeout).
+        return sess.run(means[-1])
+      return sess.run([means, replaced])
+
+
+@pytest.mark.parametrize("num", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", ["ring", "collective"])
+def test_a_mean_divided_where_summed_is_the_sum_divided_on_each_device(
+    algorithm, num):
+  got, want = _sums(algorithm, num, divisor=num)
+  for mean in got[1:]:
+    assert mean.tobytes() == got[0].tobytes()
+  if algorithm == "ring" or num in (2, 4):
+    # The same multiplication (or a division by a power of two, exact).
+    for mean, before in zip(got, want):
+      assert mean.tobytes() == before.tobytes()
+  else:
+    # The collective divides by 3, the replaced path multiplies by 1/3.
+    np.testing.assert_allclose(got, want, rtol=2.5e-7, atol=0)
+  assert _sums(algorithm, num, divisor=num, fetch_last_only=True).shape == (
+      37, 5)

@@ -82,26 +82,40 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
 
 def all_sum(tensors: Sequence[tf.Tensor], devices: Sequence[str],
             algorithm: str, order: _collectives.LaunchOrder,
-            chunks: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
-  """Returns the sum of `tensors` on each of `devices` by `algorithm`.
+            chunks: Optional[Sequence[int]] = None,
+            divisor: int = 1) -> List[tf.Tensor]:
+  """Returns the sum of `tensors` on each of `devices` by `algorithm`,
+  divided by `divisor`.
 
   ``"add_n"`` sums on ``devices[0]`` and returns that one tensor for every
   device (one tensor alone is an identity there, so that it can wait for
   what the caller's control dependencies say). A collective launches in
   `order`. `chunks`, for the ring, are the sizes of its N chunks of the
   flattened tensor (a pack's, `_packing.pack`); None cuts it with
-  `split_sizes`.
+  `split_sizes`. A `divisor` is applied once per element where the sum is
+  finished (`_scaled`), not once per device: the ring multiplies each
+  finished chunk by ``1 / divisor`` before it travels on, the collective
+  divides inside (``final_op="Div"``) when `divisor` is its group's size.
   """
   if algorithm == "add_n":
     with tf.device(devices[0]):
       total = sum_in_order(tensors) if len(tensors) > 1 \
           else tf.identity(tensors[0])
+      total = _scaled(total, divisor)
     return [total] * len(devices)
   if algorithm == "ring":
-    return _ring(tensors, devices, chunks)
+    return _ring(tensors, devices, chunks, divisor)
   if algorithm == "collective":
-    return _collective(tensors, devices, order)
+    return _collective(tensors, devices, order, divisor)
   raise ValueError("unknown all-reduce algorithm %r" % (algorithm,))
+
+
+def _scaled(total: tf.Tensor, divisor: int) -> tf.Tensor:
+  """`total` times ``1 / divisor`` (itself for 1), on its device."""
+  if divisor == 1:
+    return total
+  with tf.device(total.device):
+    return total * tf.constant(1.0 / divisor, total.dtype)
 
 
 def sum_in_order(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -122,7 +136,7 @@ def sum_in_order(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 def _ring(tensors: Sequence[tf.Tensor], devices: Sequence[str],
-          sizes: Optional[Sequence[int]]) -> List[tf.Tensor]:
+          sizes: Optional[Sequence[int]], divisor: int) -> List[tf.Tensor]:
   n = len(tensors)
   shape = tensors[0].shape
   chunks = []
@@ -140,7 +154,7 @@ def _ring(tensors: Sequence[tf.Tensor], devices: Sequence[str],
       d = (c + step) % n
       with tf.device(devices[d]):
         total = total + chunks[d][c]
-    finished.append(total)
+    finished.append(_scaled(total, divisor))
   # All-gather: the finished chunk c (on device c-1) travels on around.
   gathered: List[List[tf.Tensor]] = [[None] * n for _ in range(n)]
   for c in range(n):
@@ -191,15 +205,17 @@ def all_gather(tensors: Sequence[tf.Tensor], device: str,
 
 
 def _collective(tensors: Sequence[tf.Tensor], devices: Sequence[str],
-                order: _collectives.LaunchOrder) -> List[tf.Tensor]:
+                order: _collectives.LaunchOrder,
+                divisor: int) -> List[tf.Tensor]:
   size, group = _collectives.group_of(devices)
   instance = _collectives.instance_key()
+  inside = divisor == size
   outputs = [order.launch(device, functools.partial(
-      _collectives.member, tensor, size, group, instance))
+      _collectives.member, tensor, size, group, instance, inside))
              for tensor, device in zip(tensors, devices)]
   ops = [o.op for o in outputs]
   tied = []
   for output, device in zip(outputs, devices):
     with tf.device(device), tf.control_dependencies(ops):
-      tied.append(tf.identity(output))
+      tied.append(_scaled(tf.identity(output), 1 if inside else divisor))
   return tied

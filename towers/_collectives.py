@@ -59,14 +59,15 @@ def _group_key(devices: Sequence[str]) -> int:
 
 
 def member(tensor: tf.Tensor, group_size: int, group: int,
-           instance: int) -> tf.Tensor:
-  """One device's ``CollectiveReduceV2`` (sum) of a group, with the NCCL
-  hint; build it under that device. It returns only once every member of
-  the group has run: tie what reads it to all of them."""
+           instance: int, mean: bool = False) -> tf.Tensor:
+  """One device's ``CollectiveReduceV2`` (the sum, or with `mean` the sum
+  divided by `group_size`) of a group, with the NCCL hint; build it under
+  that device. It returns only once every member of the group has run: tie
+  what reads it to all of them."""
   return tf.raw_ops.CollectiveReduceV2(
       input=tensor, group_size=group_size, group_key=group,
       instance_key=instance, ordering_token=[], merge_op="Add",
-      final_op="Id", communication_hint="nccl")
+      final_op="Div" if mean else "Id", communication_hint="nccl")
 
 
 class LaunchOrder:

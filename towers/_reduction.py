@@ -89,32 +89,24 @@ def _dense_mean(present: List[tf.Tensor], weights: List[Weight],
     present = [scaled(g, w) for g, w in zip(present, weights)]
   if len(devices) == 1 or algorithm == "add_n":
     with tf.device(devices[0]), tf.control_dependencies(barrier):
-      local, = _allreduce.all_sum(present, devices[:1], "add_n", order)
-      if uniform and len(present) > 1:
-        local = local * tf.constant(1.0 / len(present), local.dtype)
+      local, = _allreduce.all_sum(present, devices[:1], "add_n", order,
+                                  divisor=len(present) if uniform else 1)
     if workers == 1:
       return [local] * len(devices)
     # The worker's mean, all-reduced with the other workers' from this
     # worker's first tower device, and their mean read by every copy.
     home = _workers.home()
-    total, = _allreduce.all_sum([local], [home], "collective", order)
-    with tf.device(home):
-      return [total * tf.constant(1.0 / workers, total.dtype)] * len(devices)
+    mean, = _allreduce.all_sum([local], [home], "collective", order,
+                               divisor=workers)
+    return [mean] * len(devices)
   inputs = []
   for g, d, wait in zip(present, devices, waits):
     with tf.device(d), tf.control_dependencies(wait):
       inputs.append(tf.identity(g))
   # Across workers the group holds every worker's towers: each worker's
   # weights sum to 1, and the workers count equally.
-  sums = _allreduce.all_sum(inputs, devices, algorithm, order, chunks)
-  divisor = workers * (len(sums) if uniform else 1)
-  if divisor == 1:
-    return sums
-  averaged = []
-  for total, d in zip(sums, devices):
-    with tf.device(d):
-      averaged.append(total * tf.constant(1.0 / divisor, total.dtype))
-  return averaged
+  return _allreduce.all_sum(inputs, devices, algorithm, order, chunks,
+                            divisor=workers * (len(inputs) if uniform else 1))
 
 
 def _sparse_mean(present: List[tf.IndexedSlices], weights: List[Weight],
