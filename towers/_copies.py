@@ -22,6 +22,7 @@ are made to read copy ``i`` instead (`read_copies`).
 """
 
 import contextlib
+import functools
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import tensorflow.compat.v1 as tf
@@ -86,8 +87,8 @@ def _copy(next_getter, primary: tf.Variable, index: int,
 
   def initializer(*_, **__):
     # Copy 0's current value: after initialization or a restore, the local
-    # init op sets every copy from it.
-    return primary.read_value()
+    # init op sets every copy from it (one read, or a ref's snapshot).
+    return tf.convert_to_tensor(primary)
 
   with tf.device(device):
     copy = next_getter(
@@ -274,7 +275,7 @@ def local_slots() -> Iterator[None]:
             "0 has no %s; apply copy 0's pairs (average_gradients' result) "
             "with opt.apply_gradients or towers.apply_gradients, once per "
             "step" % (name, slot_name))
-      kwargs["initial_value"] = slot.read_value
+      kwargs["initial_value"] = functools.partial(tf.convert_to_tensor, slot)
       kwargs["collections"] = [tf.GraphKeys.LOCAL_VARIABLES]
       kwargs["trainable"] = False
       made = next_creator(**kwargs)
