@@ -3,7 +3,8 @@
 `towers.batch_normalization` normalizes with the global batch's statistics:
 each layer sums a vector of ``1 + 2C`` floats (the shard's count, its sum and
 its sum of squares over C channels) across the towers, in one collective per
-tower, and again in the gradient. Per-tower batch norm
+tower, and one of ``2C`` in the gradient (the sums of ``dy`` and ``dy *
+xhat``). Per-tower batch norm
 (``tf.compat.v1.layers.batch_normalization``) normalizes each shard alone and
 moves nothing. This times the same model both ways, trained with
 `towers.minimize` (variables on ``/cpu:0``, the library's defaults
@@ -163,7 +164,7 @@ def expected(num_towers: int, channels: Sequence[int] = BN_CHANNELS
   """Returns what the synchronized layers' collectives move per step.
 
   Each layer of C channels sums ``1 + 2C`` floats across the towers forward
-  and again in the gradient, one collective op per tower each time; a ring
+  and ``2C`` in the gradient, one collective op per tower each time; a ring
   (NCCL's, or TensorFlow's between CPUs) sends and receives ``2(N-1)/N`` of
   a summed vector per device. With one tower nothing is summed.
 
@@ -180,7 +181,7 @@ def expected(num_towers: int, channels: Sequence[int] = BN_CHANNELS
   if num_towers < 2:
     return {"collectives": 0, "collectives_per_device": 0,
             "summed_bytes_per_device": 0, "ring_bytes_per_device": 0.0}
-  summed = 2 * sum(1 + 2 * c for c in channels) * FLOAT_BYTES
+  summed = sum(1 + 4 * c for c in channels) * FLOAT_BYTES
   return {"collectives": 2 * len(channels) * num_towers,
           "collectives_per_device": 2 * len(channels),
           "summed_bytes_per_device": summed,

@@ -24,6 +24,13 @@ PEAK_MEMORY_RATIO = 0.80
 # gradients, timed inside one build, so machine drift between builds does
 # not enter).
 BUILD_TOWER_GROWTH = 1.25
+# The large model's build (`benchmarks.transformer`) at its largest count:
+# replicated with the ring at most this many times the one-copy build.
+LARGE_BUILD_RATIO = 1.5
+# Synchronized batch norm against per-tower batch norm, at every count: at
+# most this many times the step time, and the ops.
+SYNC_BN_TIME_RATIO = 1.2
+SYNC_BN_OPS_RATIO = 2.0
 # The replicated mode's: replicated with the ring or the
 # collective all-reduce against the one-copy "cpu" mode, and every mode of
 # towers against independent towers (a copy each, nothing exchanged), at
@@ -323,6 +330,46 @@ def build_targets(result: Dict[str, object]) -> None:
          result["ops_spread"]))]
 
 
+def large_build_targets(result: Dict[str, object]) -> None:
+  """Adds the large model's build targets to `result` in place: the ring's
+  build over one copy's at the largest count, and each linear in towers."""
+  variants = result["variants"]
+  one_copy, ring = variants["one_copy"], variants["replicated_ring"]
+  ratio = ring["rows"][-1]["seconds"] / one_copy["rows"][-1]["seconds"]
+  result["targets"] = [_target(
+      "replicated ring build <= %.2fx one copy's at %d towers"
+      % (LARGE_BUILD_RATIO, ring["rows"][-1]["num_towers"]),
+      ratio <= LARGE_BUILD_RATIO, "%.3fx: %.1f vs %.1f s, %d vs %d ops" % (
+          ratio, ring["rows"][-1]["seconds"], one_copy["rows"][-1]["seconds"],
+          ring["rows"][-1]["ops"], one_copy["rows"][-1]["ops"]))]
+  for name, variant in (("one copy", one_copy), ("replicated ring", ring)):
+    growth = variant["tower_cost_growth"]
+    result["targets"].append(_target(
+        "%s build linear in towers (later towers cost <= %.2fx the earlier)"
+        % (name, BUILD_TOWER_GROWTH), growth <= BUILD_TOWER_GROWTH,
+        "later/earlier tower cost %.2fx; increments per added tower spread "
+        "%.2fx (time), %.2fx (ops)" % (growth, variant["time_spread"],
+                                       variant["ops_spread"])))
+
+
+def batch_norm_targets(section: Dict[str, object]) -> None:
+  """Adds synchronized batch norm's targets to each row in place: its step
+  time (by the medians, with the interval) and its ops over per-tower's."""
+  for row in section["rows"]:
+    ops = row["sync"]["num_ops"] / row["per_tower"]["num_ops"]
+    # The interval is of per-tower's speed over sync's: the time ratio.
+    row["targets"] = [
+        _target("step time <= %.2fx per-tower's" % SYNC_BN_TIME_RATIO,
+                row["step_time_ratio"] <= SYNC_BN_TIME_RATIO,
+                _ratio_detail(row["step_time_ratio"],
+                              tuple(row["ratio_interval"]),
+                              SYNC_BN_TIME_RATIO)),
+        _target("ops <= %.2fx per-tower's" % SYNC_BN_OPS_RATIO,
+                ops <= SYNC_BN_OPS_RATIO, "%.3fx: %d vs %d" % (
+                    ops, row["sync"]["num_ops"],
+                    row["per_tower"]["num_ops"]))]
+
+
 def fast_paths_targets(section: Dict[str, object]) -> None:
   """Adds the staging target to each staging row in place.
 
@@ -374,12 +421,15 @@ def add_targets(results: Dict[str, object]) -> None:
   """
   averaging = results.get("average_gradients")
   build = results.get("build")
+  large = results.get("large_build")
+  bn_rows = (results.get("batch_norm") or {}).get("rows", [])
   staging = results.get("fast_paths", {}).get("staging", {}).get("rows", [])
   accumulation = results.get("accumulation")
   if results.get("quick"):
     sections = [row for workload in results["throughput"]
-                for row in workload["rows"]] + [s for s in (averaging, build)
-                                                 if s] + staging
+                for row in workload["rows"]] + [
+                    s for s in (averaging, build, large) if s] + staging
+    sections += bn_rows
     sections += (accumulation or {}).get("comparisons", [])
     for section in sections:
       section["targets"] = []
@@ -391,6 +441,10 @@ def add_targets(results: Dict[str, object]) -> None:
       averaging_targets(averaging)
     if build:
       build_targets(build)
+    if large:
+      large_build_targets(large)
+    if results.get("batch_norm"):
+      batch_norm_targets(results["batch_norm"])
     if results.get("fast_paths"):
       fast_paths_targets(results["fast_paths"])
     if accumulation:
@@ -597,6 +651,35 @@ def sweep_markdown(results: Dict[str, object]) -> List[str]:
   return lines
 
 
+def large_build_markdown(results: Dict[str, object]) -> List[str]:
+  """Returns the large model's build: each variant at each tower count."""
+  section = results.get("large_build")
+  if not section:
+    return []
+  lines = ["### Graph build of a large model: %s, median of %d%s" % (
+      section["title"], section["repeats"],
+      " (quick run)" if results.get("quick") else ""), "",
+           "The whole training step (Adam, clipped to global norm 1, a "
+           "global step) on one device (tf.gradients and "
+           "opt.apply_gradients), with towers.minimize and one copy of the "
+           "variables on /cpu:0, and replicated with the ring all-reduce, "
+           "each in a fresh graph, builds interleaved. Per tower: the time "
+           "from each tower's model to the next one's (its model and "
+           "gradients), tower 0 to n-2.", "",
+           "| variant | towers | build s | ops | ops per tower | s per tower |",
+           "|---|---:|---:|---:|---:|---|"]
+  for name, variant in section["variants"].items():
+    for row in variant["rows"]:
+      lines.append("| %s | %d | %.2f | %d | %.0f | %s |" % (
+          name, row["num_towers"], row["seconds"], row["ops"],
+          row["ops_per_tower"],
+          " ".join("%.2f" % t for t in row["tower_seconds"]) or "-"))
+  lines += ["", "Other processes during the builds: %.2f cores." % section[
+      "foreign_cores"], "",
+            _targets_line(results, section.get("targets", [])), ""]
+  return lines
+
+
 def batch_norm_markdown(results: Dict[str, object]) -> List[str]:
   """Returns the batch-norm comparison: synchronized against per-tower."""
   section = results.get("batch_norm")
@@ -613,17 +696,18 @@ def batch_norm_markdown(results: Dict[str, object]) -> List[str]:
            "/cpu:0), its %d batch-norm layers (%s channels) either "
            "towers.batch_normalization(training=True), which sums each "
            "layer's count, sum and sum of squares (1 + 2C floats) across "
-           "the towers forward and again in the gradient, one collective op "
-           "per tower each time, or %s (per tower: each shard normalized "
-           "alone, nothing exchanged), timed in the same rounds. Step time "
-           "ratio: the synchronized median over the per-tower one (above 1: "
-           "what exactness costs), with its 95%% bootstrap interval. "
+           "the towers forward and the sums of dy and dy * xhat (2C floats) "
+           "in the gradient, one collective op per tower each time, or %s "
+           "(per tower: each shard normalized alone, nothing exchanged), "
+           "timed in the same rounds. Step time ratio: the synchronized "
+           "median over the per-tower one (above 1: what exactness costs), "
+           "with its 95%% bootstrap interval. "
            "Collectives: the collective ops of one step, measured from its "
            "partition graphs (expected: 2 per layer per tower). Summed: the "
            "bytes each device's collectives sum per step, measured "
-           "(expected from the layer shapes: 2 x sum(1 + 2C) x 4 bytes); a "
+           "(expected from the layer shapes: sum(1 + 4C) x 4 bytes); a "
            "ring sends 2(N-1)/N of them per device and receives as much "
-           "(NCCL between GPUs; between CPUs, TensorFlow's ring). No target."
+           "(NCCL between GPUs; between CPUs, TensorFlow's ring)."
            % (len(channels), ", ".join(str(c) for c in channels),
               per_tower), "",
            "| towers | sync step ms (median [q1, q3]) | per-tower step ms "
@@ -1095,6 +1179,7 @@ def markdown(results: Dict[str, object]) -> str:
           inc["from_towers"], inc["to_towers"], inc["seconds_per_tower"],
           inc["ops_per_tower"]))
     lines += ["", _targets_line(results, build["targets"]), ""]
+  lines += large_build_markdown(results)
   lines += batch_norm_markdown(results)
   lines += fast_paths_markdown(results)
   lines += accumulation_markdown(results)
@@ -1182,9 +1267,12 @@ def summary(results: Dict[str, object]) -> List[Dict[str, object]]:
       for t in row["targets"]:
         flat.append(dict(t, scope="%s %s x%d" % (
             workload["workload"], row["variant"], row["num_towers"])))
-  for key in ("average_gradients", "build"):
+  for key in ("average_gradients", "build", "large_build"):
     if results.get(key):
       flat += [dict(t, scope=key) for t in results[key]["targets"]]
+  for row in (results.get("batch_norm") or {}).get("rows", []):
+    flat += [dict(t, scope="batch_norm x%d" % row["num_towers"])
+             for t in row.get("targets", [])]
   for row in results.get("fast_paths", {}).get("staging", {}).get("rows", []):
     flat += [dict(t, scope="fast_paths %s staged x%d" % (
         row["workload"], row["num_towers"])) for t in row["targets"]]

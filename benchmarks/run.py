@@ -27,7 +27,9 @@ and those packed and unpacked rows only; then a sweep of packed against
 unpacked by the size of a gradient (`benchmarks.packing`); then
 `towers.average_gradients` alone against the original's on a large
 gradient set (time and peak memory), the graph build time and op count
-of 1, 2, 4 and 8 towers, synchronized batch norm
+of 1, 2, 4 and 8 towers, the same for a BERT-base-sized transformer with one
+copy of the variables and replicated with the ring (`benchmarks.transformer`;
+its one-device build beside them), synchronized batch norm
 (`towers.batch_normalization`) against per-tower
 ``tf.compat.v1.layers.batch_normalization`` on a small ResNet-ish CNN at 2
 and 4 towers (`benchmarks.batch_norm`), the fast paths on the MNIST and
@@ -55,11 +57,12 @@ examples_per_sec.png (when matplotlib, the ``bench`` extra, is installed).
 everything runs: its results (in their own default directory) say they are a
 quick run, and it gives no verdicts on the targets. A section given no sizes
 is skipped: ``--workloads= --packing_kib= --averaging_shape= --build_towers=
---noacross_workers`` runs the batch-norm comparison, the fast paths and the
-gradient accumulation alone, ``--batch_norm_towers=`` skips the first,
-``--fast_paths_workloads=`` the second (``--staging_towers=`` or
-``--precision_towers=`` a part of it), ``--accumulation_towers=`` the last;
-``--noacross_workers`` skips the section across workers, in a quick run too.
+--large_build_towers= --noacross_workers`` runs the batch-norm comparison,
+the fast paths and the gradient accumulation alone, ``--batch_norm_towers=``
+skips the first, ``--fast_paths_workloads=`` the second
+(``--staging_towers=`` or ``--precision_towers=`` a part of it),
+``--accumulation_towers=`` the last; ``--noacross_workers`` skips the section
+across workers, in a quick run too.
 See docs/performance.md.
 """
 
@@ -98,6 +101,7 @@ from benchmarks import mirrored
 from benchmarks import packing
 from benchmarks import quiet
 from benchmarks import report
+from benchmarks import transformer
 from benchmarks import workloads
 
 FLAGS = flags.FLAGS
@@ -499,6 +503,9 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         averaging_rounds: int, averaging_peak_towers: Sequence[int],
         build_workload: str,
         build_counts: Sequence[int], build_repeats: int, quick: bool,
+        large_build_counts: Sequence[int] = (),
+        large_build_repeats: int = 3,
+        large_build_config: transformer.Config = transformer.BERT_BASE,
         packing_sizes: Sequence[int] = (), packing_towers: int = 4,
         packing_batch: int = 16,
         packing_max_variables: int = packing.MAX_VARIABLES,
@@ -536,6 +543,12 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     build_workload: the model whose graph build is timed.
     build_counts: the tower counts of the build benchmark; empty skips it.
     build_repeats: builds per count.
+    large_build_counts: the tower counts at which the build of a large
+      model (`benchmarks.transformer`) is timed, one copy and replicated
+      with the ring (on one device: once, beside the smallest); empty skips
+      it.
+    large_build_repeats: its builds per variant and count.
+    large_build_config: its model's size.
     quick: a quick run: recorded in the results, said in the tables and
       the chart, and no target gets a verdict (a few steps on tiny batches
       are not measurements).
@@ -692,6 +705,10 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     build["foreign_cores"] = monitor.foreign_cores()
     build["title"] = workloads.WORKLOADS[build_workload].title
     results["build"] = build
+  if large_build_counts:
+    results["large_build"] = large_build(
+        large_build_config, large_build_counts, large_build_repeats,
+        monitor, quiet_policy)
   # Last, so that the sections before it run as in earlier runs (the first
   # tf.layers call also loads more of tf_keras).
   if batch_norm_towers:
@@ -739,6 +756,26 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   return results
 
 
+def large_build(config: transformer.Config, tower_counts: Sequence[int],
+                repeats: int, monitor: quiet.CpuMonitor,
+                quiet_policy: Quiet) -> Dict[str, object]:
+  """Times the build of `config`'s training step, each variant at each
+  count (`build_time.measure_variants`); one device at one count."""
+  title = transformer.title(config)
+  logging.info("Large model build: %s, %s towers", title, tower_counts)
+  if quiet_policy.wait_seconds > quiet_policy.waited:
+    quiet_policy.waited += monitor.wait_until_quiet(
+        quiet_policy.max_foreign,
+        quiet_policy.wait_seconds - quiet_policy.waited)
+  monitor.start()
+  counts = {transformer.PLAIN: [min(tower_counts)],
+            transformer.ONE_COPY: tower_counts, transformer.RING: tower_counts}
+  measured = build_time.measure_variants(
+      transformer.build_variants(config), counts, repeats)
+  return {"title": title, "config": config._asdict(), "repeats": repeats,
+          "variants": measured, "foreign_cores": monitor.foreign_cores()}
+
+
 def _workload(name: str, many_small_variables: int) -> workloads.Workload:
   """Returns a workload by name, "many_small" with its number of variables."""
   if name == "many_small":
@@ -760,6 +797,8 @@ def main(argv):
         steps=2, averaging_shape=[4, 4, 256 * 1024], averaging_rounds=2,
         averaging_peak_towers=[],
         build_workload="mnist", build_counts=[1, 2, 4], build_repeats=1,
+        large_build_counts=[1, 2], large_build_repeats=1,
+        large_build_config=transformer.TINY,
         packing_sizes=[1 * packing.KIB, 64 * packing.KIB], packing_towers=4,
         packing_batch=8, packing_max_variables=8, batch_norm_towers=[2, 4],
         batch_norm_batch=8, fast_paths_workloads=["mnist"],
@@ -784,6 +823,8 @@ def main(argv):
         build_workload="cifar10",
         build_counts=[int(n) for n in FLAGS.build_towers if n],
         build_repeats=FLAGS.build_repeats,
+        large_build_counts=[int(n) for n in FLAGS.large_build_towers if n],
+        large_build_repeats=FLAGS.large_build_repeats,
         packing_sizes=[int(k) * packing.KIB for k in FLAGS.packing_kib if k],
         packing_towers=FLAGS.packing_towers,
         packing_batch=FLAGS.packing_batch,
@@ -906,6 +947,11 @@ def define_flags():
   flags.DEFINE_list("build_towers", ["1", "2", "4", "8"], "Tower counts of "
                     "the graph build benchmark; empty skips it.")
   flags.DEFINE_integer("build_repeats", 5, "Builds per tower count.")
+  flags.DEFINE_list("large_build_towers", ["1", "2", "4", "8"], "Tower "
+                    "counts of the large model's build (BERT-base-sized, "
+                    "one copy and replicated ring); empty skips it.")
+  flags.DEFINE_integer("large_build_repeats", 3, "Its builds per variant "
+                       "and tower count.")
   flags.DEFINE_float("max_foreign_cores", 0.25, "A timed round during "
                      "which other processes kept more cores busy than this "
                      "is repeated once they are quiet (see "

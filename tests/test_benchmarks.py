@@ -24,12 +24,14 @@ import towers
 from benchmarks import accumulation
 from benchmarks import across_workers
 from benchmarks import batch_norm
+from benchmarks import build_time
 from benchmarks import fast_paths
 from benchmarks import graphs
 from benchmarks import mirrored
 from benchmarks import packing
 from benchmarks import report
 from benchmarks import run
+from benchmarks import transformer
 from benchmarks import traffic
 from benchmarks import workloads
 
@@ -134,8 +136,8 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   assert (bn["per_tower_reason"] is None) == (
       bn["per_tower"] == batch_norm.LAYERS)
   _check_batch_norm_rows(bn, [2, 4])
-  for n, collectives, ring in [(2, 24, 2352), (4, 48, 3528)]:
-    assert re.search(r"^\| %d \| .* \| %d \(%d\) \| 2352 \(2352\) \| %d \| "
+  for n, collectives, ring in [(2, 24, 2328), (4, 48, 3492)]:
+    assert re.search(r"^\| %d \| .* \| %d \(%d\) \| 2328 \(2328\) \| %d \| "
                      % (n, collectives, collectives, ring), done.stdout,
                      re.M), n
 
@@ -178,6 +180,17 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   assert all(r["seconds"] > 0 and r["ops"] > 0 for r in build["rows"])
   ops = [r["ops"] for r in build["rows"]]
   assert ops == sorted(ops)
+
+  large = results["large_build"]
+  assert large["config"]["layers"] == transformer.TINY.layers
+  variants = large["variants"]
+  assert [r["num_towers"] for r in variants["one_device"]["rows"]] == [1]
+  for name in ("one_copy", "replicated_ring"):
+    rows = variants[name]["rows"]
+    assert [r["num_towers"] for r in rows] == [1, 2]
+    assert rows[0]["ops"] < rows[1]["ops"]
+  assert large["targets"] == []
+  assert "### Graph build of a large model: BERT-base-sized" in done.stdout
 
   # A quick run is no measurement: it says so, and gives no verdict.
   assert results["targets"] == []
@@ -366,6 +379,38 @@ def _results(*, quick, ours_rss_mib=112, theirs_rss_mib=152,
                 "time_spread": 1.0, "ops_spread": 1.0, "increments": [],
                 "rows": [{"num_towers": 1, "seconds": 0.5, "ops": 256,
                           "ops_per_tower": 256.0, "tower_seconds": []}]}}
+
+
+def _build_variant(seconds, ops, tower_seconds):
+  rows = [{"num_towers": n, "seconds": s, "ops": o, "ops_per_tower": o / n,
+           "tower_seconds": t} for n, s, o, t in zip(
+               [1, 8], seconds, ops, [[], tower_seconds])]
+  return {"rows": rows, "tower_cost_growth": build_time._growth(
+      tower_seconds), "time_spread": 1.0, "ops_spread": 1.0}
+
+
+def test_the_large_build_and_batch_norm_get_their_targets():
+  large = {"variants": {
+      "one_copy": _build_variant([3.0, 20.0], [10000, 50000], [2.0] * 7),
+      "replicated_ring": _build_variant([3.0, 31.0], [10000, 80000],
+                                        [2.0] * 4 + [3.0] * 3)}}
+  report.large_build_targets(large)
+  assert [t["met"] for t in large["targets"]] == [False, True, False]
+  assert large["targets"][0]["detail"].startswith("1.550x: 31.0 vs 20.0 s")
+  assert "1.50x; increments" in large["targets"][2]["detail"]
+
+  def side(seconds, ops):
+    return {"median_step_sec": seconds, "num_ops": ops}
+  section = {"rows": [
+      {"num_towers": 2, "sync": side(0.11, 1900), "per_tower": side(0.1, 1000),
+       "step_time_ratio": 1.1, "ratio_interval": [1.05, 1.25]},
+      {"num_towers": 4, "sync": side(0.13, 2100), "per_tower": side(0.1, 1000),
+       "step_time_ratio": 1.3, "ratio_interval": [1.25, 1.35]}]}
+  report.batch_norm_targets(section)
+  assert [[t["met"] for t in row["targets"]] for row in section["rows"]] == [
+      [True, True], [False, False]]
+  assert section["rows"][0]["targets"][0]["detail"] == (
+      "1.100x [1.050, 1.250], within noise")
 
 
 def test_full_results_give_verdicts():
@@ -831,9 +876,9 @@ def test_quick_packing_section_gives_no_verdicts():
 
 
 # The benchmark's batch-norm CNN: 6 layers of 16, 16, 16, 32, 32 and 32
-# channels, each summing 1 + 2C floats forward and in the gradient:
-# 2 x (3 x 33 + 3 x 65) = 588 floats = 2352 bytes per device per step.
-BN_SUMMED_BYTES = 2352
+# channels, each summing 1 + 2C floats forward and 2C in the gradient:
+# 3 x 65 + 3 x 129 = 582 floats = 2328 bytes per device per step.
+BN_SUMMED_BYTES = 2328
 
 
 def _check_batch_norm_rows(section, tower_counts):
@@ -870,7 +915,7 @@ def test_batch_norm_prediction_follows_the_layer_shapes():
       "ring_bytes_per_device": BN_SUMMED_BYTES}
   assert batch_norm.expected(4)["ring_bytes_per_device"] == (
       1.5 * BN_SUMMED_BYTES)
-  assert batch_norm.expected(4, [3])["summed_bytes_per_device"] == 2 * 7 * 4
+  assert batch_norm.expected(4, [3])["summed_bytes_per_device"] == (7 + 6) * 4
 
 
 def test_fused_fallback_normalizes_each_batch_alone_as_tf_layers_does():
@@ -915,7 +960,7 @@ def test_the_batch_norm_comparison_runs_alone(tmp_path):
   table = (tmp_path / "results.md").read_text()
   assert ("### Synchronized batch norm against per-tower: ResNet-ish CIFAR "
           "CNN") in table
-  assert re.search(r"^\| 2 \| .* \| 24 \(24\) \| 2352 \(2352\) \| 2352 \| "
+  assert re.search(r"^\| 2 \| .* \| 24 \(24\) \| 2328 \(2328\) \| 2328 \| "
                    r"%s" % re.escape(section["per_tower"]), table, re.M)
   if section["per_tower_reason"]:
     assert section["per_tower"] == batch_norm.FUSED
