@@ -4,7 +4,7 @@ Written here from the architecture (Devlin et al., 2018), not copied: token,
 segment and position embeddings, 12 encoder layers (self-attention of 12
 heads over 768 features, a feed-forward layer of 3072 with GELU, residuals,
 layer norm and dropout after each), a tanh pooler on the first token and a
-2-way classifier: 110M parameters in 199 variables, every one made with
+2-way classifier: 109.5M parameters in 201 variables, every one made with
 ``tf.get_variable``, as ``tf.compat.v1.layers`` would make them. The word
 embedding is read with ``tf.gather``, so its gradient is sparse
 (``tf.IndexedSlices``), as in BERT's GPU code.
