@@ -29,14 +29,18 @@ def data(batch):
 
 def per_tower_batch_norm(h, name):
   """Batch norm over the tower's own shard (``tf.layers``' arithmetic)."""
+  gamma, beta = scale_and_offset(name, h.shape[-1])
+  mean, variance = tf.nn.moments(h, list(range(h.shape.rank - 1)))
+  return tf.nn.batch_normalization(h, mean, variance, beta, gamma, 1e-3)
+
+
+def scale_and_offset(name, channels):
+  """``tf.layers``' gamma and beta, initialized to 1 and 0."""
   with tf.variable_scope(name):
-    channels = h.shape[-1]
-    gamma = tf.get_variable("gamma", [channels],
-                            initializer=tf.ones_initializer())
-    beta = tf.get_variable("beta", [channels],
-                           initializer=tf.zeros_initializer())
-    mean, variance = tf.nn.moments(h, list(range(h.shape.rank - 1)))
-    return tf.nn.batch_normalization(h, mean, variance, beta, gamma, 1e-3)
+    return (tf.get_variable("gamma", [channels],
+                            initializer=tf.ones_initializer()),
+            tf.get_variable("beta", [channels],
+                            initializer=tf.zeros_initializer()))
 
 
 def model(scope, x, y, batch_norm=towers.batch_normalization):
@@ -207,11 +211,7 @@ def through_all_sum(h, name):
   context = towers.tower_context()
   axes = list(range(h.shape.rank - 1))
   channels = h.shape[-1]
-  with tf.variable_scope(name):
-    gamma = tf.get_variable("gamma", [channels],
-                            initializer=tf.ones_initializer())
-    beta = tf.get_variable("beta", [channels],
-                           initializer=tf.zeros_initializer())
+  gamma, beta = scale_and_offset(name, channels)
   count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(h), axes)), h.dtype)
   stats = context.all_sum(tf.concat([[count], tf.reduce_sum(h, axes),
                                      tf.reduce_sum(tf.square(h), axes)], 0))
