@@ -146,7 +146,8 @@ def batch_normalization(inputs,
       return t if t is None or len(axes) > 1 or axes[0] == rank - 1 else (
           tf.reshape(t, broadcast))
 
-    if _synchronized_in(context) and (learning is None or learning):
+    if context is not None and _synchronized_in(context) and (
+        learning is None or learning):
       outputs = _synchronized(x, mean, variance, count, gamma, beta, epsilon,
                               reduced, against_x, context,
                               None if learning else training,
@@ -184,10 +185,9 @@ def _fusable(axes: List[int], rank: int, dtype: tf.DType) -> bool:
       1, rank - 1) and dtype in (tf.float16, tf.bfloat16, tf.float32)
 
 
-def _synchronized_in(context: Optional[_context.TowerContext]) -> bool:
+def _synchronized_in(context: _context.TowerContext) -> bool:
   """Whether the statistics are summed across towers (or workers)."""
-  return context is not None and (context.num_towers > 1
-                                  or _workers.count() > 1)
+  return context.num_towers > 1 or _workers.count() > 1
 
 
 def _kernels_take(axes: List[int], rank: int, dtype: tf.DType,
@@ -205,7 +205,7 @@ def _moments(x: tf.Tensor, reduced: List[int], shape: List[int],
   batch's inside towers."""
   count = _count(x, reduced)
   keepdims = len(shape) > 1
-  if not _synchronized_in(context):
+  if context is None or not _synchronized_in(context):
     mean, variance = tf.nn.moments(x, reduced, keepdims=keepdims)
     return mean, variance, count
   with tf.name_scope("global_moments"):
