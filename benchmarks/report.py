@@ -12,6 +12,7 @@ import numpy as np
 from benchmarks import graphs
 from benchmarks import quiet
 from benchmarks import traffic
+from benchmarks import transformer
 
 # The targets: towers against plain, one tower and several.
 ONE_TOWER_RATIO = 0.97
@@ -334,7 +335,8 @@ def large_build_targets(result: Dict[str, object]) -> None:
   """Adds the large model's build targets to `result` in place: the ring's
   build over one copy's at the largest count, and each linear in towers."""
   variants = result["variants"]
-  one_copy, ring = variants["one_copy"], variants["replicated_ring"]
+  one_copy = variants[transformer.ONE_COPY]
+  ring = variants[transformer.RING]
   ratio = ring["rows"][-1]["seconds"] / one_copy["rows"][-1]["seconds"]
   result["targets"] = [_target(
       "replicated ring build <= %.2fx one copy's at %d towers"

@@ -147,6 +147,14 @@ class Quiet:
     self.waited += self.monitor.wait_until_quiet(self.max_foreign, remaining)
     return False
 
+  def start_when_quiet(self) -> None:
+    """Waits (within the run's waiting time left) for other processes to go
+    quiet, then starts measuring theirs (`quiet.CpuMonitor.start`)."""
+    if self.wait_seconds > self.waited:
+      self.waited += self.monitor.wait_until_quiet(
+          self.max_foreign, self.wait_seconds - self.waited)
+    self.monitor.start()
+
 
 def interleave(runners: Dict[object, object], *, warmup: int, rounds: int,
                steps: int, quiet_policy: Quiet
@@ -695,10 +703,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         steps=steps)
   if build_counts:
     logging.info("Graph build: %s, %s towers", build_workload, build_counts)
-    if quiet_policy.wait_seconds > quiet_policy.waited:
-      quiet_policy.waited += monitor.wait_until_quiet(
-          max_foreign_cores, quiet_policy.wait_seconds - quiet_policy.waited)
-    monitor.start()
+    quiet_policy.start_when_quiet()
     build = build_time.measure(workloads.WORKLOADS[build_workload],
                                build_counts, build_repeats,
                                global_batches.get(build_workload, 128))
@@ -708,7 +713,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   if large_build_counts:
     results["large_build"] = large_build(
         large_build_config, large_build_counts, large_build_repeats,
-        monitor, quiet_policy)
+        quiet_policy)
   # Last, so that the sections before it run as in earlier runs (the first
   # tf.layers call also loads more of tf_keras).
   if batch_norm_towers:
@@ -757,23 +762,19 @@ def run(*, out_dir: str, workload_names: Sequence[str],
 
 
 def large_build(config: transformer.Config, tower_counts: Sequence[int],
-                repeats: int, monitor: quiet.CpuMonitor,
-                quiet_policy: Quiet) -> Dict[str, object]:
+                repeats: int, quiet_policy: Quiet) -> Dict[str, object]:
   """Times the build of `config`'s training step, each variant at each
   count (`build_time.measure_variants`); one device at one count."""
   title = transformer.title(config)
   logging.info("Large model build: %s, %s towers", title, tower_counts)
-  if quiet_policy.wait_seconds > quiet_policy.waited:
-    quiet_policy.waited += monitor.wait_until_quiet(
-        quiet_policy.max_foreign,
-        quiet_policy.wait_seconds - quiet_policy.waited)
-  monitor.start()
+  quiet_policy.start_when_quiet()
   counts = {transformer.PLAIN: [min(tower_counts)],
             transformer.ONE_COPY: tower_counts, transformer.RING: tower_counts}
   measured = build_time.measure_variants(
       transformer.build_variants(config), counts, repeats)
   return {"title": title, "config": config._asdict(), "repeats": repeats,
-          "variants": measured, "foreign_cores": monitor.foreign_cores()}
+          "variants": measured,
+          "foreign_cores": quiet_policy.monitor.foreign_cores()}
 
 
 def _workload(name: str, many_small_variables: int) -> workloads.Workload:

@@ -77,6 +77,11 @@ class TowerContext:
   def scope(self) -> str:
     return self._set.scopes[self._index]
 
+  @property
+  def _alone(self) -> bool:
+    # One tower of one worker: a cross-tower sum is an identity.
+    return self.num_towers == 1 and _workers.count() == 1
+
   def __repr__(self) -> str:
     return "TowerContext(index=%d, num_towers=%d, key=%d)" % (
         self.index, self.num_towers, self.key)
@@ -111,7 +116,7 @@ class TowerContext:
     """
     with tf.name_scope(name, "all_sum"):
       tensor = tf.convert_to_tensor(tensor)
-      if self.num_towers == 1 and _workers.count() == 1:
+      if self._alone:
         return tf.identity(tensor)
       return self._set.all_sum(self._index, tensor)
 
@@ -136,7 +141,7 @@ class TowerContext:
     """
     with tf.name_scope(name, "all_sum_grad"):
       dy = tf.convert_to_tensor(dy)
-      if self.num_towers == 1 and _workers.count() == 1:
+      if self._alone:
         return tf.identity(dy)
       return self._set.gradient_sum(self._index, dy)
 
