@@ -264,25 +264,68 @@ def test_a_false_training_tensor_gives_the_inference_gradient():
   assert_trained_alike(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("sums", ["on_one_device", "collective"])
 @pytest.mark.parametrize("fetch", ["tower_1_output", "loss", "tower_0_grads",
                                    "tower_2_grads"])
-def test_any_single_fetch_runs_the_whole_group(fetch):
+def test_any_single_fetch_runs_the_whole_group(fetch, sums):
   x, y = data(8)
+  kwargs = {} if sums == "on_one_device" else dict(
+      variable_device="replicated", all_reduce="collective")
   with tf.Graph().as_default():
     t = towers.build_towers(model, tf.train.GradientDescentOptimizer(0.1), 3,
                             inputs=(tf.constant(x), tf.constant(y)),
-                            devices=devices(3))
+                            devices=devices(3), **kwargs)
     target = {"tower_1_output": t.outputs[1], "loss": t.loss,
               "tower_0_grads": [g for g, _ in t.tower_grads[0]],
               "tower_2_grads": [g for g, _ in t.tower_grads[2]]}[fetch]
     with tf.Session(config=config(3)) as sess:
       sess.run(tf.global_variables_initializer())
+      sess.run(tf.local_variables_initializer())
       sess.run(target)  # would wait for ever (here: 60 s, then fail)
 
 
 def _collectives(graph):
   return [op for op in graph.get_operations()
           if op.type == "CollectiveReduceV2"]
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_sums_on_one_device_equal_the_collective_sums(steps):
+  # Between CPU devices the sums are the add_n algorithm's; with the
+  # gradients' collective all-reduce they are collectives: the same
+  # training within a rounding.
+  x, y = data(10)
+  on_one_device = on_towers(3, x, y, steps=steps,
+                            variable_device="replicated", all_reduce="add_n")
+  collective = on_towers(3, x, y, steps=steps, variable_device="replicated",
+                         all_reduce="collective")
+  assert_close(on_one_device, collective, atol=1e-6)
+
+
+def test_between_cpu_devices_each_sum_is_one_tensor_every_tower_reads():
+  x, y = data(8)
+  with tf.Graph().as_default() as graph:
+    sums = []
+
+    def summing(scope, a, b):
+      sums.append(towers.tower_context().all_sum(tf.reduce_sum(a, [0, 1, 2])))
+      return model(scope, a + sums[-1], b)
+
+    t = towers.build_towers(summing, tf.train.GradientDescentOptimizer(0.1),
+                            3, inputs=(tf.constant(x), tf.constant(y)),
+                            devices=devices(3))
+    assert not _collectives(graph)
+    # Each tower's result is on its own device and reads one total, made
+    # on tower 0's device.
+    read = {s.op.inputs[0].op.inputs[0] for s in sums}
+    assert len(read) == 1 and read.pop().device == "/device:CPU:0"
+    assert [s.device for s in sums] == [
+        "/device:CPU:%d" % i for i in range(3)]
+    with tf.Session(config=config(3)) as sess:
+      sess.run(tf.global_variables_initializer())
+      got, _ = sess.run([sums, t.tower_grads])
+  assert all(np.array_equal(g, got[0]) for g in got)
+  np.testing.assert_allclose(got[0], x.sum((0, 1, 2)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("flow", ["minimize", "by_hand"])

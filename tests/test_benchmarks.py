@@ -136,10 +136,11 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   assert (bn["per_tower_reason"] is None) == (
       bn["per_tower"] == batch_norm.LAYERS)
   _check_batch_norm_rows(bn, [2, 4])
-  for n, collectives, ring in [(2, 24, 2328), (4, 48, 3492)]:
-    assert re.search(r"^\| %d \| .* \| %d \(%d\) \| 2328 \(2328\) \| %d \| "
-                     % (n, collectives, collectives, ring), done.stdout,
-                     re.M), n
+  # No collective between CPU devices; 2(N-1) vectors of 2328 bytes
+  # through tower 0's device.
+  for n, moved in [(2, 4656), (4, 13968)]:
+    assert re.search(r"^\| %d \| .* \| 0 \(0\) \| %d \(%d\) \| "
+                     % (n, moved, moved), done.stdout, re.M), n
 
   _check_quick_fast_paths(results["fast_paths"], size, done.stdout)
   _check_quick_accumulation(results["accumulation"], size, done.stdout)
@@ -887,10 +888,14 @@ def _check_batch_norm_rows(section, tower_counts):
   for row in section["rows"]:
     n, sync, alone = row["num_towers"], row["sync"], row["per_tower"]
     assert row["expected"] == batch_norm.expected(n)
-    assert sync["collectives"] == row["expected"]["collectives"] == 12 * n
-    assert sync["collective_bytes"] == {
-        "cpu:%d" % i: BN_SUMMED_BYTES for i in range(n)}
-    assert alone["collectives"] == 0 and alone["collective_bytes"] == {}
+    # Between CPU devices the sums are on tower 0's device: each other
+    # tower's vectors go there and back, and nothing else differs.
+    assert sync["collectives"] == row["expected"]["collectives"] == 0
+    assert row["sum_bytes"] == {
+        "cpu:%d" % i: BN_SUMMED_BYTES * (2 * (n - 1) if i == 0 else 2)
+        for i in range(n)}
+    assert max(row["sum_bytes"].values()) == row["expected"]["busiest_bytes"]
+    assert alone["collectives"] == 0
     assert sync["steps_timed"] > 0 and alone["steps_timed"] > 0
     assert row["step_time_ratio"] == pytest.approx(
         sync["median_step_sec"] / alone["median_step_sec"])
@@ -907,14 +912,20 @@ def test_batch_norm_prediction_follows_the_layer_shapes():
   assert [v.shape.as_list() for v in gammas] == [
       [c] for c in batch_norm.BN_CHANNELS] == [[16]] * 3 + [[32]] * 3
   assert batch_norm.expected(1) == {
-      "collectives": 0, "collectives_per_device": 0,
-      "summed_bytes_per_device": 0, "ring_bytes_per_device": 0.0}
+      "sums_per_device": 0, "collectives": 0,
+      "summed_bytes_per_device": 0, "busiest_bytes": 0.0}
   assert batch_norm.expected(2) == {
-      "collectives": 24, "collectives_per_device": 12,
+      "sums_per_device": 12, "collectives": 0,
       "summed_bytes_per_device": BN_SUMMED_BYTES,
-      "ring_bytes_per_device": BN_SUMMED_BYTES}
-  assert batch_norm.expected(4)["ring_bytes_per_device"] == (
-      1.5 * BN_SUMMED_BYTES)
+      "busiest_bytes": 2 * BN_SUMMED_BYTES}
+  assert batch_norm.expected(4)["busiest_bytes"] == 6 * BN_SUMMED_BYTES
+  # Between GPUs: a ring, 2(N-1)/N of each vector sent and as much received.
+  assert batch_norm.expected(2, collective=True) == {
+      "sums_per_device": 12, "collectives": 24,
+      "summed_bytes_per_device": BN_SUMMED_BYTES,
+      "busiest_bytes": 2 * BN_SUMMED_BYTES}
+  assert batch_norm.expected(4, collective=True)["busiest_bytes"] == (
+      3 * BN_SUMMED_BYTES)
   assert batch_norm.expected(4, [3])["summed_bytes_per_device"] == (7 + 6) * 4
 
 
@@ -960,7 +971,7 @@ def test_the_batch_norm_comparison_runs_alone(tmp_path):
   table = (tmp_path / "results.md").read_text()
   assert ("### Synchronized batch norm against per-tower: ResNet-ish CIFAR "
           "CNN") in table
-  assert re.search(r"^\| 2 \| .* \| 24 \(24\) \| 2328 \(2328\) \| 2328 \| "
+  assert re.search(r"^\| 2 \| .* \| 0 \(0\) \| 4656 \(4656\) \| "
                    r"%s" % re.escape(section["per_tower"]), table, re.M)
   if section["per_tower_reason"]:
     assert section["per_tower"] == batch_norm.FUSED

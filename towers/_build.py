@@ -174,7 +174,8 @@ def build_towers(model_fn: Callable[..., object],
   built = _tower_loop.build_each_tower(
       tower, num_gpus, inputs=inputs, devices=devices,
       variable_device=variable_device, tower_name=tower_name,
-      compute_dtype=compute_dtype, stage_inputs=stage_inputs)
+      compute_dtype=compute_dtype, stage_inputs=stage_inputs,
+      all_reduce=all_reduce if replicated else "auto")
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
   by_key = {key: [each[key] for each in losses] for key in keys}
   grads_by_key = {key: [each[key] for each in tower_grads] for key in keys}

@@ -4,17 +4,23 @@ While `build_towers` (or `infer`) builds tower ``i``, `tower_context()`
 returns a `TowerContext`: the tower's index, the number of towers, their
 devices and a key unique to this set of towers. Its `TowerContext.all_sum`
 is a cross-tower sum built one tower at a time, the piece layers such as
-synchronized batch norm are made of. It guarantees:
+synchronized batch norm are made of. A sum is a collective (NCCL) where the
+towers' gradients would be all-reduced by one (distinct GPUs, several
+workers, ``all_reduce='collective'``); elsewhere it is the ``add_n``
+algorithm, the towers' sum in tower order on the first tower's device, read
+by every tower: a few hundred bytes, for which a collective's launch
+(about 0.5 ms on CPU devices) costs more than the bytes. It guarantees:
 
 - Never a hang. A collective returns only once every tower's member has
   run, so each tower's result waits for every member (control edges added to
   the earlier towers' results as the later towers are built): fetching one
-  tower's result runs the whole group. Towers that build different sums are
-  an error when the towers are built, not a hang when they run.
-- One launch order. On each device the sums launch in the order they were
-  built, the same in every tower (NCCL deadlocks when two devices launch two
-  collectives in opposite orders); the gradients' own all-reduce launches
-  after them.
+  tower's result runs the whole group. A sum on one device is read by every
+  tower, and cannot hang. Towers that build different sums are an error
+  when the towers are built, not a hang when they run.
+- One launch order. On each device the collective sums launch in the order
+  they were built, the same in every tower (NCCL deadlocks when two devices
+  launch two collectives in opposite orders); the gradients' own all-reduce
+  launches after them.
 - The global batch's gradient. Tower ``i``'s gradient of the sum is the sum
   over towers of ``w_j * dy_j``, divided by ``w_i`` (``w`` the towers'
   shares of the global batch, as `average_gradients` weights them): after
@@ -29,6 +35,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import tensorflow.compat.v1 as tf
 
+from towers import _allreduce
 from towers import _collectives
 from towers import _devices
 from towers import _state
@@ -90,10 +97,10 @@ class TowerContext:
     """Returns the sum of `tensor` over all towers, in this tower.
 
     Every tower must call it, in the same order, with tensors of one dtype
-    and shape: the k-th call of each tower is one collective
-    (``CollectiveReduceV2`` with the NCCL hint: NCCL between GPUs, a ring
-    between CPUs), on this tower's device. With one tower it is an
-    identity. In towers built with ``num_workers > 1`` the sum is over
+    and shape: the k-th call of each tower is one sum, a collective on GPUs
+    (``CollectiveReduceV2``, NCCL) and across workers, else the towers' sum
+    on the first tower's device (the module's docstring says which). With
+    one tower it is an identity. In towers built with ``num_workers > 1`` the sum is over
     every tower of every worker. Its gradient is a cross-tower sum too,
     weighted by the towers' shares of the global batch so that the averaged
     gradients are the global batch's; build it inside the tower (as
@@ -168,7 +175,8 @@ class TowerSet:
   """The towers of one `build_towers` call and their cross-tower sums."""
 
   def __init__(self, devices: Sequence[str], uniform: bool,
-               device_check: Optional[tf.Operation] = None):
+               device_check: Optional[tf.Operation] = None,
+               all_reduce: str = "auto"):
     self.graph = tf.get_default_graph()
     state = _state.of(self.graph)
     state.tower_sets += 1
@@ -179,14 +187,19 @@ class TowerSet:
     # it, the same factor in every tower); equal shares need no scaling.
     self.shares: List[Share] = [1.0] * len(devices)
     self.uniform = uniform
+    # Collectives where the gradients' all-reduce is one; elsewhere the sum
+    # on one device, whose few bytes cost less than a collective's launch.
+    self.algorithm = "collective" if _allreduce.resolve(
+        all_reduce, devices) == "collective" else "add_n"
     # No member launches before the towers are known to be apart
     # (`_device_check`): on a shared device it would wait forever.
     self._device_check = device_check
     # The k-th sum of every tower: its instance key, dtype and shape, and
-    # each tower's member and result.
+    # each tower's member (a collective's op, or the tensor summed) and
+    # result.
     self._instances: List[int] = []
     self._specs: List[Tuple[tf.DType, tf.TensorShape]] = []
-    self._members: List[Dict[int, tf.Operation]] = []
+    self._members: List[Dict[int, Union[tf.Operation, tf.Tensor]]] = []
     self._results: List[Dict[int, tf.Operation]] = []
     self._calls = [0] * len(devices)
     self.order = _collectives.LaunchOrder()
@@ -231,13 +244,19 @@ class TowerSet:
     """Tower `index`'s member of its next cross-tower sum, differentiable."""
     self._check_buildable(index)
 
+    k = self._calls[index]
+
     @tf.custom_gradient
     def summed(x):
       def grad(dy):
         return self.gradient_sum(index, dy)
-      return self._sum(index, x), grad
+      return self._part(index, x), grad
 
-    return summed(tensor)
+    result = summed(tensor)
+    # After the custom gradient is built: it looks for the variables its
+    # outputs depend on, which the other towers' parts would add.
+    self._complete(k)
+    return result
 
   def gradient_sum(self, index: int, dy: tf.Tensor) -> tf.Tensor:
     """Tower `index`'s gradient of its next cross-tower sum, given `dy`:
@@ -280,12 +299,21 @@ class TowerSet:
           % ", ".join(self.devices))
 
   def _sum(self, index: int, tensor: tf.Tensor) -> tf.Tensor:
-    """Builds tower `index`'s member of its next sum, tied to the group."""
+    """Builds tower `index`'s part of its next sum, tied to the group."""
+    k = self._calls[index]
+    result = self._part(index, tensor)
+    self._complete(k)
+    return result
+
+  def _part(self, index: int, tensor: tf.Tensor) -> tf.Tensor:
+    """Tower `index`'s part of its next sum, and its result: a collective's,
+    or a stand-in until the sum is `_complete`."""
     k = self._calls[index]
     self._calls[index] += 1
     spec = (tensor.dtype.base_dtype, tensor.shape)
     if k == len(self._instances):
-      self._instances.append(_collectives.instance_key())
+      self._instances.append(_collectives.instance_key()
+                             if self.algorithm == "collective" else 0)
       self._specs.append(spec)
       self._members.append({})
       self._results.append({})
@@ -297,6 +325,34 @@ class TowerSet:
           "on inputs of the same shape" % (
               k, _tower(self.scopes[index], index), spec[0].name, spec[1],
               self._specs[k][0].name, self._specs[k][1]))
+    if self.algorithm == "collective":
+      return self._collective(index, k, tensor)
+    # An identity of its own part, rewired to read the sum once the last
+    # tower's part is built (the later towers do not exist yet).
+    self._members[k][index] = tensor
+    with tf.device(self.devices[index]):
+      result = tf.stop_gradient(tensor)
+    self._results[k][index] = result.op
+    return result
+
+  def _complete(self, k: int) -> None:
+    """Builds sum `k` on the first tower's device once every tower's part
+    is there, and makes every tower's result read it."""
+    parts = self._members[k]
+    if self.algorithm == "collective" or len(parts) < len(self.devices):
+      return
+    # Outside the last tower's colocation and control dependencies: the sum
+    # belongs to no tower.
+    start = _tf_internals.last_op_id()
+    with self.graph.colocate_with(None, ignore_existing=True), \
+        tf.control_dependencies(None):
+      total, = _allreduce.all_sum([parts[i] for i in range(len(parts))],
+                                  self.devices[:1], "add_n", self.order)
+    _state.of(self.graph).sum_ops.update(_tf_internals.made_after(start))
+    for op in self._results[k].values():
+      _tf_internals.update_input(op, 0, total)
+
+  def _collective(self, index: int, k: int, tensor: tf.Tensor) -> tf.Tensor:
     device = self.devices[index]
     members = self._members[k]
     output = self.order.launch(device, functools.partial(
@@ -327,6 +383,13 @@ def launch_order_of(tensors: Sequence[object]) -> _collectives.LaunchOrder:
     if op in orders:
       return orders[op].continued()
   return _collectives.LaunchOrder()
+
+
+def is_sum_op(op: tf.Operation) -> bool:
+  """Whether `op` is part of a cross-tower sum built on one device: it reads
+  every tower's part by design, so the walks that keep each tower to its
+  own data stop there."""
+  return op in _state.of(op.graph).sum_ops
 
 
 def _tower(scope: str, index: int) -> str:

@@ -26,7 +26,8 @@ found in the graph once the towers are built:
   the weight decay is silently dropped.
 
 The walks do not cross resource or reference tensors: a variable handle or a
-queue is shared state, not a tower's data.
+queue is shared state, not a tower's data; nor a cross-tower sum's result,
+which every tower reads by design (`_context`).
 """
 
 import collections
@@ -36,6 +37,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import tensorflow.compat.v1 as tf
 
+from towers import _context
 from towers import _placement
 from towers import _regularization_view
 
@@ -239,8 +241,9 @@ def is_variable(tensor: tf.Tensor) -> bool:
 
 
 def _crosses(tensor: tf.Tensor) -> bool:
-  """Whether the walk follows this edge: data, not a handle or reference."""
-  return not is_variable(tensor)
+  """Whether the walk follows this edge: data, not a handle or reference,
+  nor a cross-tower sum (whose every tower's part is its data)."""
+  return not is_variable(tensor) and not _context.is_sum_op(tensor.op)
 
 
 def ancestors(start: tf.Operation) -> List[tf.Operation]:

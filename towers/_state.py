@@ -9,7 +9,7 @@ graph holds and which dies with it. Each field has one module that writes
 it; the others read it through that module's functions.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import tensorflow.compat.v1 as tf
 
@@ -41,6 +41,8 @@ class GraphState:
     building: `_context`: the `TowerContext` of the tower being built.
     launch_orders: `_context`: an op built in towers with cross-tower sums
       -> their `LaunchOrder`, which their gradients' all-reduce continues.
+    sum_ops: `_context`: the ops of the cross-tower sums built on one
+      device, which read every tower's part by design.
     weight_decay: `_regularization`: a tower's gradient's name -> its data
       part and its weight-decay parts.
     share_records: `_shares`: each recorded set of towers' shares of the
@@ -63,6 +65,7 @@ class GraphState:
     self.tower_sets = 0
     self.building: Optional[Any] = None
     self.launch_orders: Dict[tf.Operation, Any] = {}
+    self.sum_ops: Set[tf.Operation] = set()
     self.weight_decay: Dict[str, Tuple[tf.Tensor, List[tf.Tensor]]] = {}
     self.share_records: List[List[Any]] = []
     self.shares: Dict[str, Tuple[int, int]] = {}

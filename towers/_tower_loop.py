@@ -38,7 +38,8 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
                      variable_device: _placement.VariableDevice,
                      tower_name: str, allow_empty: bool = False,
                      compute_dtype: _precision.ComputeDtype = None,
-                     stage_inputs: bool = False) -> BuiltTowers:
+                     stage_inputs: bool = False,
+                     all_reduce: str = "auto") -> BuiltTowers:
   """Calls ``tower_fn(index, scope, batch, check)`` once in each tower.
 
   The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
@@ -53,6 +54,8 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   With `compute_dtype`, `tower_fn` runs under `_precision.master_weights`;
   with `stage_inputs`, every tower's batch is read first, tower after tower,
   and the towers are built on the staged batches (`_staging.stage`).
+  `all_reduce`, the replicated towers' algorithm, decides with the devices
+  how their cross-tower sums are built (`_context.TowerSet`).
 
   Returns:
     A `BuiltTowers`: ``[num_towers]`` results of `tower_fn`, the scopes, the
@@ -96,7 +99,8 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
     weights = None
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
   tower_set = _context.TowerSet(devices, uniform=not sized and (
-      weights is None or _reduction.is_uniform(weights)), device_check=check)
+      weights is None or _reduction.is_uniform(weights)), device_check=check,
+                                all_reduce=all_reduce)
   start = _tf_internals.last_op_id()
   results, batches, sizes = [], [], []
   scopes: List[str] = []
