@@ -2,9 +2,10 @@
 
 `towers.batch_normalization` normalizes with the global batch's statistics:
 each layer sums a vector of ``1 + 2C`` floats (the shard's count, its sum and
-its sum of squares over C channels) across the towers, in one collective per
-tower, and one of ``2C`` in the gradient (the sums of ``dy`` and ``dy *
-xhat``). Per-tower batch norm
+its sum of squares over C channels) across the towers, and one of ``2C`` in
+the gradient (the sums of ``dy`` and ``dy * xhat``): between GPUs one
+collective per tower each time (NCCL), between CPU devices a sum on the
+first tower's device that every tower reads. Per-tower batch norm
 (``tf.compat.v1.layers.batch_normalization``) normalizes each shard alone and
 moves nothing. This times the same model both ways, trained with
 `towers.minimize` (variables on ``/cpu:0``, the library's defaults
@@ -24,9 +25,10 @@ installed. Where the layers are still unavailable, the per-tower rows use
 `fused_batch_norm`, what ``tf.layers`` runs for 4-D inputs, and the report
 says so (`per_tower_layer`).
 
-What the collectives move is predicted from the layer shapes alone
-(`expected`) and measured from the partition graphs of one step
-(`benchmarks.traffic`). No target: the ratio is reported as measured.
+What the sums move is predicted from the layer shapes alone (`expected`)
+and measured from the partition graphs of one step (`benchmarks.traffic`),
+as what the synchronized step moves between devices beyond the per-tower
+one (`sum_bytes`). The targets are in `benchmarks.report`.
 """
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -36,6 +38,7 @@ import tensorflow.compat.v1 as tf
 import towers
 from benchmarks import graphs
 from benchmarks import report
+from benchmarks import traffic
 from benchmarks import workloads
 
 SYNC = "sync"
@@ -159,34 +162,56 @@ def model(batch_norm: BatchNorm, name: str, title: str) -> workloads.Workload:
   return workloads.Workload(name, title, list(IMAGE_SHAPE), loss_fn)
 
 
-def expected(num_towers: int, channels: Sequence[int] = BN_CHANNELS
-            ) -> Dict[str, float]:
-  """Returns what the synchronized layers' collectives move per step.
+def expected(num_towers: int, channels: Sequence[int] = BN_CHANNELS,
+             collective: bool = False) -> Dict[str, float]:
+  """Returns what the synchronized layers' sums move per step.
 
   Each layer of C channels sums ``1 + 2C`` floats across the towers forward
-  and ``2C`` in the gradient, one collective op per tower each time; a ring
-  (NCCL's, or TensorFlow's between CPUs) sends and receives ``2(N-1)/N`` of
-  a summed vector per device. With one tower nothing is summed.
+  and ``2C`` in the gradient. With `collective` (GPUs), one collective op
+  per tower each time, a ring: each device sends and receives ``2(N-1)/N``
+  of a summed vector. Else the towers' vectors go to the first tower's
+  device and the sum comes back: ``2(N-1)`` vectors through that device,
+  2 through each other. With one tower nothing is summed.
 
   Args:
     num_towers: N.
     channels: each batch-norm layer's channels.
+    collective: whether the towers' devices are GPUs (the library's rule).
 
   Returns:
+    ``sums_per_device`` (sums each tower takes part in per step),
     ``collectives`` (collective ops per step, all devices),
-    ``collectives_per_device``, ``summed_bytes_per_device`` (the vectors each
-    device contributes) and ``ring_bytes_per_device`` (what a ring sends, and
-    receives, per device).
+    ``summed_bytes_per_device`` (the vectors each device contributes) and
+    ``busiest_bytes`` (sent plus received by the busiest device).
   """
   if num_towers < 2:
-    return {"collectives": 0, "collectives_per_device": 0,
-            "summed_bytes_per_device": 0, "ring_bytes_per_device": 0.0}
+    return {"sums_per_device": 0, "collectives": 0,
+            "summed_bytes_per_device": 0, "busiest_bytes": 0.0}
   summed = sum(1 + 4 * c for c in channels) * FLOAT_BYTES
-  return {"collectives": 2 * len(channels) * num_towers,
-          "collectives_per_device": 2 * len(channels),
-          "summed_bytes_per_device": summed,
-          "ring_bytes_per_device": 2.0 * (num_towers - 1) / num_towers
-                                   * summed}
+  busiest = (4.0 * (num_towers - 1) / num_towers if collective
+             else 2.0 * (num_towers - 1)) * summed
+  return {"sums_per_device": 2 * len(channels),
+          "collectives": 2 * len(channels) * num_towers if collective else 0,
+          "summed_bytes_per_device": summed, "busiest_bytes": busiest}
+
+
+def sum_bytes(sync: graphs.GraphStep,
+              alone: graphs.GraphStep) -> Dict[str, float]:
+  """Returns device -> the bytes the sums move through it per step: what
+  the synchronized step sends and receives beyond the per-tower one (the
+  same model, variables and devices otherwise)."""
+  moved = {}
+  for device, fields in sync.traffic["devices"].items():
+    other = alone.traffic["devices"].get(device)
+    moved[device] = traffic.through(fields) - (
+        traffic.through(other) if other else 0)
+  return moved
+
+
+def on_gpus(num_towers: int) -> bool:
+  """Whether the towers run on GPUs, where the sums are collectives."""
+  return all(tf.DeviceSpec.from_string(d).device_type == "GPU"
+             for d in towers.tower_devices(num_towers))
 
 
 def build(*, tower_counts: Sequence[int], global_batch: int, num_devices: int,
@@ -215,10 +240,8 @@ def build(*, tower_counts: Sequence[int], global_batch: int, num_devices: int,
 
 def _side(step: graphs.GraphStep, seconds: Sequence[float],
           global_batch: int) -> Dict[str, object]:
-  moved = step.traffic
   return {**report.timed_graph(seconds, global_batch, step.num_ops),
-          "collectives": moved["collectives"],
-          "collective_bytes": moved["collective_bytes"]}
+          "collectives": step.traffic["collectives"]}
 
 
 def result(steps: Dict[Tuple[int, str], graphs.GraphStep],
@@ -240,7 +263,8 @@ def result(steps: Dict[Tuple[int, str], graphs.GraphStep],
         "step_time_ratio": sync["median_step_sec"] / alone["median_step_sec"],
         # The per-tower speed over the synchronized one: the step-time ratio.
         "ratio_interval": list(report.ratio_interval(alone, sync)),
-        "expected": expected(n)})
+        "sum_bytes": sum_bytes(steps[(n, SYNC)], steps[(n, PER_TOWER)]),
+        "expected": expected(n, collective=on_gpus(n))})
   return {"title": TITLE, "global_batch": global_batch,
           "bn_channels": list(BN_CHANNELS), "per_tower": per_tower,
           "per_tower_reason": per_tower_reason, "variable_device": "cpu",

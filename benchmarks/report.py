@@ -699,39 +699,40 @@ def batch_norm_markdown(results: Dict[str, object]) -> List[str]:
            "towers.batch_normalization(training=True), which sums each "
            "layer's count, sum and sum of squares (1 + 2C floats) across "
            "the towers forward and the sums of dy and dy * xhat (2C floats) "
-           "in the gradient, one collective op per tower each time, or %s "
+           "in the gradient (between GPUs, one collective op per tower each "
+           "time; between CPU devices, on the first tower's device), or %s "
            "(per tower: each shard normalized alone, nothing exchanged), "
            "timed in the same rounds. Step time ratio: the synchronized "
            "median over the per-tower one (above 1: what exactness costs), "
            "with its 95%% bootstrap interval. "
            "Collectives: the collective ops of one step, measured from its "
-           "partition graphs (expected: 2 per layer per tower). Summed: the "
-           "bytes each device's collectives sum per step, measured "
-           "(expected from the layer shapes: sum(1 + 4C) x 4 bytes); a "
-           "ring sends 2(N-1)/N of them per device and receives as much "
-           "(NCCL between GPUs; between CPUs, TensorFlow's ring)."
+           "partition graphs (expected: 2 per layer per tower on GPUs, none "
+           "between CPU devices). Sum bytes: what the synchronized step "
+           "sends and receives through its busiest device beyond the "
+           "per-tower step, measured (expected from the layer shapes, S = "
+           "sum(1 + 4C) x 4 bytes per tower: 2(N-1) S through the first "
+           "tower's device; a ring's 4(N-1)/N S between GPUs)."
            % (len(channels), ", ".join(str(c) for c in channels),
               per_tower), "",
            "| towers | sync step ms (median [q1, q3]) | per-tower step ms "
            "(median [q1, q3]) | sync / per-tower step time | ops, sync / "
-           "per-tower | collectives per step (expected) | bytes summed per "
-           "device per step (expected) | ring bytes sent per device per "
-           "step | per-tower layer |",
-           "|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+           "per-tower | collectives per step (expected) | sum bytes "
+           "through the busiest device per step (expected) | per-tower "
+           "layer |",
+           "|---:|---:|---:|---:|---|---:|---:|---|"]
   for row in section["rows"]:
     sync, alone, want = row["sync"], row["per_tower"], row["expected"]
     low, high = row["ratio_interval"]
-    summed = sync["collective_bytes"].values()
     lines.append(
         "| %d | %.1f [%.1f, %.1f] | %.1f [%.1f, %.1f] | %.3fx [%.3f, %.3f] "
-        "| %d / %d | %d (%d) | %d (%d) | %.0f | %s |" % (
+        "| %d / %d | %d (%d) | %.0f (%.0f) | %s |" % (
             row["num_towers"], 1e3 * sync["median_step_sec"],
             1e3 * sync["q1_step_sec"], 1e3 * sync["q3_step_sec"],
             1e3 * alone["median_step_sec"], 1e3 * alone["q1_step_sec"],
             1e3 * alone["q3_step_sec"], row["step_time_ratio"], low, high,
             sync["num_ops"], alone["num_ops"], sync["collectives"],
-            want["collectives"], max(summed, default=0),
-            want["summed_bytes_per_device"], want["ring_bytes_per_device"],
+            want["collectives"], max(row["sum_bytes"].values(), default=0),
+            want["busiest_bytes"],
             per_tower + (" (fallback)" if fallback else "")))
   lines.append("")
   if fallback:
