@@ -244,6 +244,12 @@ def _count_collective(node, graph: tf.Graph, kind, devices, result,
 
 
 def _tensor(graph: tf.Graph, name: str):
+  """Returns the tensor of `graph` a partition graph's `name` carries, or
+  None. A node Grappler's arithmetic optimizer rewrote (a chain of adds made
+  a tree, ``<scope>/ArithmeticOptimizer/AddOpsRewrite_<op>``) stands in for
+  the op it is named after: the same output, shape and dtype."""
+  name = re.sub(r"(^|/)ArithmeticOptimizer/[A-Za-z]+_([^/]+)$", r"\1\2",
+                name)
   try:
     return graph.get_tensor_by_name(name if ":" in name else name + ":0")
   except (KeyError, ValueError):

@@ -138,9 +138,9 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
   _check_batch_norm_rows(bn, [2, 4])
   # No collective between CPU devices; 2(N-1) vectors of 2328 bytes
   # through tower 0's device.
-  for n, moved in [(2, 4656), (4, 13968)]:
+  for n, summed in [(2, 4656), (4, 13968)]:
     assert re.search(r"^\| %d \| .* \| 0 \(0\) \| %d \(%d\) \| "
-                     % (n, moved, moved), done.stdout, re.M), n
+                     % (n, summed, summed), done.stdout, re.M), n
 
   _check_quick_fast_paths(results["fast_paths"], size, done.stdout)
   _check_quick_accumulation(results["accumulation"], size, done.stdout)
@@ -1343,6 +1343,32 @@ def test_a_skipped_send_or_collective_is_in_no_count():
   assert some["skipped"] == 1
   assert some["devices"] == {"cpu:0": _fields(64, 0, 1, 0),
                              "cpu:1": _fields(0, 64, 0, 1)}
+
+
+def test_a_sum_grappler_rewrote_is_counted_as_the_op_it_replaces():
+  graph = tf.Graph()
+  with graph.as_default():
+    with tf.device("/cpu:0"):
+      w = tf.get_variable("w", [4, 4])
+      # A chain of adds: Grappler makes it a tree with a name of its own.
+      total = w * 1.0 + w * 2.0 + w * 3.0 + w * 4.0
+    with tf.device("/cpu:1"):
+      out = tf.reduce_sum(total * 5.0)
+  with tf.Session(graph=graph,
+                  config=towers.virtual_cpu_config(
+                      2, operation_timeout_in_ms=60000)) as session:
+    session.run(w.initializer)
+    run_metadata = tf.RunMetadata()
+    # The op, not its value: nothing goes back to the client.
+    session.run(out.op, options=tf.RunOptions(output_partition_graphs=True),
+                run_metadata=run_metadata)
+  sent = [n.input[0] for p in run_metadata.partition_graphs for n in p.node
+          if n.op == "_Send"]
+  assert any("ArithmeticOptimizer/" in name for name in sent), sent
+  moved = traffic.count(run_metadata.partition_graphs, graph, [w], [])
+  assert moved["unsized"] == []
+  assert moved["devices"] == {"cpu:0": _fields(64, 0, 1, 0),
+                              "cpu:1": _fields(0, 64, 0, 1)}
 
 
 def test_the_apply_branch_is_found_from_the_train_op():

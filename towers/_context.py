@@ -100,11 +100,11 @@ class TowerContext:
     and shape: the k-th call of each tower is one sum, a collective on GPUs
     (``CollectiveReduceV2``, NCCL) and across workers, else the towers' sum
     on the first tower's device (the module's docstring says which). With
-    one tower it is an identity. In towers built with ``num_workers > 1`` the sum is over
-    every tower of every worker. Its gradient is a cross-tower sum too,
-    weighted by the towers' shares of the global batch so that the averaged
-    gradients are the global batch's; build it inside the tower (as
-    `build_towers` does with ``opt.compute_gradients``).
+    one tower it is an identity. In towers built with ``num_workers > 1``
+    the sum is over every tower of every worker. Its gradient is a
+    cross-tower sum too, weighted by the towers' shares of the global batch
+    so that the averaged gradients are the global batch's; build it inside
+    the tower (as `build_towers` does with ``opt.compute_gradients``).
 
     Args:
       tensor: a dense tensor (or what converts to one).
