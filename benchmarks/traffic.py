@@ -6,7 +6,8 @@ device through a ``_Send`` node whose ``send_device`` is not its
 ``recv_device``. Each such send is counted once, for the device that sends
 (sent) and the one that receives (received). Its bytes are the static shape
 and dtype of the tensor it sends, looked up by name in the graph the step was
-built from: the partitioner keeps the names of the nodes it splits. Its own
+built from: the partitioner keeps the names of the nodes it splits (a node
+Grappler renamed is looked up as the op it replaces, `_tensor`). Its own
 sends, which carry control edges across devices, send a zero-element dummy
 constant that is in no graph of ours: they move no data and are counted
 apart, as control edges.
