@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from towers import training
+from towers.training import _launch
 
 STAND_IN = r"""
 import os, signal, sys, time
@@ -148,12 +149,38 @@ def test_describe_exit_is_one_line_naming_the_task_and_how_it_ended():
       "worker 0 was killed by signal 99 (exit status 227)")
 
 
-def test_free_ports_are_distinct_and_free():
-  ports = training.free_ports(4)
-  assert len(set(ports)) == 4
-  for port in ports:
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", port))
+def _ephemeral_range():
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      return tuple(map(int, f.read().split()))
+  except OSError:
+    return 49152, 65535
+
+
+def test_free_ports_are_distinct_free_and_outside_the_ephemeral_range():
+  low, high = _ephemeral_range()
+  for _ in range(20):
+    ports = training.free_ports(4)
+    assert len(set(ports)) == 4
+    for port in ports:
+      # Outside the range the kernel lends to outgoing connections and to
+      # binds of port 0, so no other process can be given it by chance.
+      assert 1024 <= port < 65536 and not low <= port <= high, (port, low, high)
+      with socket.socket() as s:
+        s.bind(("", port))
+  assert training.free_ports(0) == []
+
+
+def test_a_port_held_on_one_ipv4_address_is_not_free():
+  # TensorFlow's gRPC server binds the wildcard address, which a socket on
+  # any one address blocks: 127.0.0.2 too, where a bind of 127.0.0.1 alone
+  # would find the port free.
+  for host in ("127.0.0.1", "127.0.0.2"):
+    port = training.free_ports(1)[0]
+    with socket.socket() as held:
+      held.bind((host, port))
+      assert not _launch._port_is_free(port)
+    assert _launch._port_is_free(port)
 
 
 def test_each_task_gets_the_cluster_flags_and_its_output_prefixed(

@@ -12,29 +12,83 @@ networks.
 import ctypes
 import ctypes.util
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
 
-def free_ports(count: int) -> List[int]:
-  """Returns `count` distinct TCP ports free on 127.0.0.1 just now."""
-  sockets = []
+# Where the kernel's range cannot be read (macOS, Windows): IANA's
+# dynamic ports, which those systems use.
+_EPHEMERAL_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_IANA_EPHEMERAL = (49152, 65535)
+_TRIES = 1000
+
+
+def _ephemeral_range() -> Tuple[int, int]:
   try:
-    for _ in range(count):
-      s = socket.socket()
-      s.bind(("127.0.0.1", 0))
-      sockets.append(s)
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
+    with open(_EPHEMERAL_FILE, encoding="ascii") as f:
+      low, high = map(int, f.read().split())
+    return low, high
+  except (OSError, ValueError):
+    return _IANA_EPHEMERAL
+
+
+def _port_is_free(port: int) -> bool:
+  """True if no socket holds `port` on any IPv4 address.
+
+  TensorFlow's gRPC server binds the wildcard address, which a socket on
+  any one address (not only 127.0.0.1) blocks.
+  """
+  with socket.socket() as s:
+    try:
+      s.bind(("", port))
+    except OSError:
+      return False
+  return True
+
+
+def free_ports(count: int) -> List[int]:
+  """Returns `count` distinct TCP ports that servers can bind just now.
+
+  Each port is free on every IPv4 address, and lies outside the
+  kernel's ephemeral range (Linux's `ip_local_port_range`): the ports
+  the kernel hands to outgoing connections and to binds of port 0, so no
+  other process can be given one by chance before a server binds it.
+
+  Args:
+    count: how many ports.
+
+  Returns:
+    A list of `count` distinct port numbers.
+
+  Raises:
+    RuntimeError: if `count` free ports were not found in 1,000 tries.
+  """
+  low, high = _ephemeral_range()
+  candidates = [p for p in range(1024, 65536) if not low <= p <= high]
+  if not candidates:  # The kernel lends every port out.
+    candidates = list(range(1024, 65536))
+  rng = random.Random()  # Seeded apart from the caller's random.seed().
+  ports: List[int] = []
+  tries = 0
+  while len(ports) < count:
+    if tries == _TRIES:
+      raise RuntimeError(
+          "found %d of %d free TCP ports in %d tries outside the kernel's "
+          "ephemeral range %d-%d: free some ports, or narrow that range"
+          % (len(ports), count, _TRIES, low, high))
+    tries += 1
+    port = rng.choice(candidates)
+    if port not in ports and _port_is_free(port):
+      ports.append(port)
+  return ports
 
 
 # prctl(2)'s option: the signal the kernel sends a process when the thread
