@@ -10,7 +10,6 @@ global step.
 import argparse
 import json
 import os
-import socket
 import sys
 
 import numpy as np
@@ -21,14 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 
 # pylint: disable=wrong-import-position
 import towers  # noqa: E402
+from towers import training  # noqa: E402
 from tests import models  # noqa: E402
 from tests import test_accumulate  # noqa: E402
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def main() -> None:
@@ -39,8 +33,9 @@ def main() -> None:
     tf.disable_v2_behavior()
   else:
     tf.disable_eager_execution()
-  cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:%d" % _free_port()],
-                                  "worker": ["127.0.0.1:%d" % _free_port()]})
+  ps_port, worker_port = training.free_ports(2)
+  cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:%d" % ps_port],
+                                  "worker": ["127.0.0.1:%d" % worker_port]})
   config = models.config(2)
   tf.train.Server(cluster, job_name="ps", task_index=0, config=config)
   worker = tf.train.Server(cluster, job_name="worker", task_index=0,

@@ -24,7 +24,6 @@ import tensorflow as tf2
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 PRELUDE = textwrap.dedent("""
-    import socket
     import sys
     import numpy as np
     import tensorflow.compat.v1 as tf
@@ -83,9 +82,8 @@ SETUPS = {
         """),
     # A cluster of one worker, with its server on loopback.
     "num_workers=W": textwrap.dedent("""
-        with socket.socket() as s:
-          s.bind(("127.0.0.1", 0))
-          port = s.getsockname()[1]
+        from towers.training import free_ports
+        port = free_ports(1)[0]
         server = tf.train.Server(
             tf.train.ClusterSpec({"worker": ["127.0.0.1:%d" % port]}),
             job_name="worker", task_index=0,

@@ -8,7 +8,6 @@ does), so the command must work where the extra was installed.
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,10 @@ import urllib.request
 
 import pytest
 
+from towers import training
+
 # TensorBoard loads its plugins (and TensorFlow) before it serves.
 START_SECONDS = 60
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _tensorboard_command():
@@ -42,8 +37,8 @@ def test_documented_tensorboard_command_serves_the_logdir(tmp_path):
   if command is None:
     pytest.skip("the tensorboard package is installed but its command is "
                 "not (no tensorboard next to %s or on PATH)" % sys.executable)
-  # A port found free may be taken before TensorBoard binds it (another
-  # process's outgoing connection): then it says so and exits, and a new
+  # A port found free may still be taken before TensorBoard binds it (by a
+  # process that chose the same one): then it says so and exits, and a new
   # port is tried.
   for _ in range(3):
     status, url, exit_code, output = _serve(command, tmp_path)
@@ -60,7 +55,7 @@ def _serve(command, logdir):
   Returns the HTTP status (None if it never answered), the URL, the exit
   code (None while running) and its output.
   """
-  port = _free_port()
+  port = training.free_ports(1)[0]
   url = "http://127.0.0.1:%d/" % port
   log = logdir / "tensorboard.log"
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

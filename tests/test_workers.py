@@ -9,7 +9,6 @@ process under a timeout, so a hang fails the test instead of stalling it.
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,20 +18,14 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from towers import training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_SECS = 300
 
 
 def _ports(count):
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(("127.0.0.1", 0))
-    return ",".join(str(s.getsockname()[1]) for s in sockets)
-  finally:
-    for s in sockets:
-      s.close()
+  return ",".join(map(str, training.free_ports(count)))
 
 
 def _start(pytestconfig, out, *flags, env=None):
