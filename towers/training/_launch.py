@@ -57,10 +57,11 @@ def _port_is_free(port: int) -> bool:
 def free_ports(count: int) -> List[int]:
   """Returns `count` distinct TCP ports that servers can bind just now.
 
-  Each port is free on every IPv4 address, and lies outside the
-  kernel's ephemeral range (Linux's `ip_local_port_range`): the ports
-  the kernel hands to outgoing connections and to binds of port 0, so no
-  other process can be given one by chance before a server binds it.
+  Each port is free on every IPv4 address and, unless that range spans
+  every unprivileged port, lies outside the kernel's ephemeral range
+  (Linux's `ip_local_port_range`): the ports the kernel hands to outgoing
+  connections and to binds of port 0, so no other process is given one
+  by chance before a server binds it.
 
   Args:
     count: how many ports.
