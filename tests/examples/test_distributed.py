@@ -97,7 +97,8 @@ def test_two_workers_of_two_towers_train_synchronously(data_dir, tmp_path):
     c.start("ps", 0)
     c.start("worker", 1)
     _wait(lambda: re.search(r"\[worker1\].*Waiting for the chief",
-                            log.text()), 120, "worker1 to wait for the chief")
+                            log.text()), 120, "worker1 to wait for the chief",
+          log=log)
     c.start("worker", 0)
     code = c.wait_for_workers()
   assert code == 0, log.text()[-4000:]
@@ -354,7 +355,8 @@ def test_collective_workers_stop_together_on_any_loss_and_resume(
       c.start_all()
       if resumed:
         _wait(lambda: _lines(log, "worker0", "Restoring parameters from")
-              and _steps(log, "worker0"), 120, "the restart's first step")
+              and _steps(log, "worker0"), 120, "the restart's first step",
+              log=log)
         # The global step goes on from the checkpoint.
         assert min(_steps(log, "worker0")) > resumed, log.text()[-4000:]
       _wait_for_step(log, "worker0", resumed + 8, 120)
@@ -409,7 +411,7 @@ def test_parameter_server_mode_workers_killed_and_restarted_rejoin(
     time.sleep(3)
     del log.lines[:]
     c.start("worker", 1)
-    _wait(lambda: _steps(log, "worker1"), 120, "worker1 to rejoin")
+    _wait(lambda: _steps(log, "worker1"), 120, "worker1 to rejoin", log=log)
     os.killpg(c.tasks["worker0"].pid, signal.SIGKILL)
     c.tasks["worker0"].wait(timeout=10)
     before = _saved_step(train_dir)
@@ -443,11 +445,11 @@ def test_a_lost_parameter_server_is_recovered_or_stops_the_workers(
     saved = _saved_step(train_dir)
     _wait(lambda: all(len(_lines(log, w, "not accepting connections: ps0"))
                       >= 2 for w in ("worker0", "worker1")), 30,
-          "both workers to say twice that they wait for ps0")
+          "both workers to say twice that they wait for ps0", log=log)
     del log.lines[:]
     c.start("ps", 0)
     _wait(lambda: _lines(log, "worker0", "Restoring parameters from")
-          and _steps(log, "worker0"), 60, "the chief to recover")
+          and _steps(log, "worker0"), 60, "the chief to recover", log=log)
     assert min(_steps(log, "worker0")) > saved
     os.killpg(c.tasks["ps0"].pid, signal.SIGKILL)
     killed = time.time()
