@@ -37,6 +37,7 @@ from towers import _gradients
 from towers import _regularization
 from towers import _shares
 from towers import _tf_internals
+from towers import _tf_versions
 
 ApplyFn = Callable[[List[_gradients.GradsAndVars],
                     List[_gradients.Weight]], tf.Operation]
@@ -87,7 +88,7 @@ def accumulate_gradients(towers, apply_fn: ApplyFn,
   sized = towers.batch_size is not None and not all(
       isinstance(w, numbers.Real) for w in weights)
   home = _cpu_of(towers.devices[0])
-  outer = tf.get_default_graph().get_name_scope()
+  outer = _tf_versions.name_scope(tf.get_default_graph())
   with tf.name_scope("accumulate_gradients"):
     with tf.device(home):
       count = _local_variable("count", [], tf.float32)

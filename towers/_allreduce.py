@@ -34,6 +34,7 @@ import tensorflow.compat.v1 as tf
 
 from towers import _collectives
 from towers import _devices
+from towers import _tf_versions
 from towers import _workers
 
 ALGORITHMS = ("add_n", "ring", "collective")
@@ -199,9 +200,8 @@ def all_gather(tensors: Sequence[tf.Tensor], device: str,
   every worker's must have the same shape at run time)."""
   size, group = _collectives.group_of([device])
   return [order.launch(device, functools.partial(
-      tf.raw_ops.CollectiveGatherV2, input=tensor, group_size=size,
-      group_key=group, instance_key=_collectives.instance_key(),
-      ordering_token=[], communication_hint="auto")) for tensor in tensors]
+      _tf_versions.collective_gather, tensor, size, group,
+      _collectives.instance_key())) for tensor in tensors]
 
 
 def _collective(tensors: Sequence[tf.Tensor], devices: Sequence[str],

@@ -8,6 +8,7 @@ import tensorflow.compat.v1 as tf
 
 from towers import _collectives
 from towers import _copies
+from towers import _tf_versions
 from towers import _workers
 
 
@@ -74,15 +75,12 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
           values = tf.concat([tf.reshape(v.read_value(), [-1])
                               for v in variables], 0)
         sent = order.launch(home, functools.partial(
-            tf.raw_ops.CollectiveBcastSendV2, input=values,
-            group_size=workers, group_key=group, instance_key=instance,
-            communication_hint="auto"))
+            _tf_versions.broadcast_send, values, workers, group, instance))
         previous = [sent.op]
         continue
       received = order.launch(home, functools.partial(
-          tf.raw_ops.CollectiveBcastRecvV2, group_size=workers,
-          group_key=group, instance_key=instance, shape=[sum(sizes)],
-          T=dtype, communication_hint="auto"))
+          _tf_versions.broadcast_recv, dtype, [sum(sizes)], workers, group,
+          instance))
       previous = [received.op]
       with tf.device(home):
         parts = tf.split(received, sizes)

@@ -22,6 +22,7 @@ import tensorflow.compat.v1 as tf
 
 from towers import _devices
 from towers import _state
+from towers import _tf_versions
 from towers import _workers
 
 
@@ -64,10 +65,8 @@ def member(tensor: tf.Tensor, group_size: int, group: int,
   divided by `group_size`) of a group, with the NCCL hint; build it under
   that device. It returns only once every member of the group has run: tie
   what reads it to all of them."""
-  return tf.raw_ops.CollectiveReduceV2(
-      input=tensor, group_size=group_size, group_key=group,
-      instance_key=instance, ordering_token=[], merge_op="Add",
-      final_op="Div" if mean else "Id", communication_hint="nccl")
+  return _tf_versions.collective_reduce(tensor, group_size, group, instance,
+                                       mean, "nccl")
 
 
 class LaunchOrder:

@@ -6,6 +6,8 @@ from typing import List, Optional
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from towers import _tf_versions
+
 
 def check_count(name: str, value: int) -> int:
   """Returns `value` as an int if it is a positive integer (NumPy's too).
@@ -79,7 +81,7 @@ def tower_devices(num_towers: int, *, task: Optional[str] = None
       than `num_towers` (a tower per GPU is what was meant).
   """
   num_towers = check_count("num_towers", num_towers)
-  gpus = tf.config.list_physical_devices("GPU")
+  gpus = _tf_versions.physical_gpus()
   if 0 < len(gpus) < num_towers:
     raise ValueError(
         "%d towers but %d GPU(s) visible (%s): the towers would not each "

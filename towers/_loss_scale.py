@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import tensorflow.compat.v1 as tf
 
 from towers import _gradients
+from towers import _tf_versions
 
 LossScaleSpec = Union[None, str, float]
 
@@ -31,7 +32,7 @@ GROWTH_STEPS = 2000
 
 
 def is_loss_scale_optimizer(opt: object) -> bool:
-  return isinstance(opt, tf.mixed_precision.MixedPrecisionLossScaleOptimizer)
+  return isinstance(opt, _tf_versions.loss_scale_optimizers())
 
 
 def check(loss_scale: LossScaleSpec, opt: object,

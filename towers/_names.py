@@ -22,6 +22,8 @@ from typing import Iterator, List
 
 import tensorflow.compat.v1 as tf
 
+from towers import _tf_versions
+
 
 @contextlib.contextmanager
 def tower_variable_scope(outer: tf.VariableScope, index: int, tower: str,
@@ -80,7 +82,7 @@ def single_device_names(scope: str, index: int) -> Iterator[None]:
   graph = tf.get_default_graph()
 
   def creator(next_creator, **kwargs):
-    current = graph.get_name_scope() + "/"
+    current = _tf_versions.name_scope(graph) + "/"
     collections = kwargs.get("collections") or [tf.GraphKeys.GLOBAL_VARIABLES]
     if (not current.startswith(scope) or
         tf.GraphKeys.GLOBAL_VARIABLES not in collections):
