@@ -331,6 +331,28 @@ def test_install_collection_makes_the_list_the_collection():
     assert graph.get_collection("probe") == []
 
 
+def test_op_seeds_as_if_alone_leave_out_the_ops_made_since():
+  def seed_of_a_random_op(extra_ops):
+    with tf.Graph().as_default() as graph:
+      tf.set_random_seed(3)
+      tf.constant(0.0)
+      first = _tf_internals.last_op_id()
+      for _ in range(extra_ops):
+        tf.constant(1.0)
+      with _tf_internals.op_seeds_as_if_alone(first):
+        tf.random_uniform([2], name="uniform")
+      # Outside, TensorFlow's seeds again: the same op seed as alone on 2.x,
+      # the op count on 1.15.
+      tf.random_uniform([2], name="after")
+      return [graph.get_operation_by_name(name + "/RandomUniform").get_attr(
+          "seed2") for name in ("uniform", "after")]
+
+  alone, _ = seed_of_a_random_op(0)
+  inside, after = seed_of_a_random_op(5)
+  assert inside == alone
+  assert after != inside
+
+
 def _private_uses(path):
   """Lines of `path` that reach into a private name of another object, or
   import TensorFlow's modules other than its public API."""
@@ -343,7 +365,7 @@ def _private_uses(path):
       owner = node.value.id if isinstance(node.value, ast.Name) else None
       if owner not in ("self", "cls") and (owner, node.attr) != (
           "os", "_exit") and node.attr not in NAMEDTUPLE:
-        found.append((node.lineno, ast.unparse(node)))
+        found.append((node.lineno, "." + node.attr))
     elif isinstance(node, (ast.Import, ast.ImportFrom)):
       names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
           a.name for a in node.names]

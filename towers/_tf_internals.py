@@ -11,9 +11,12 @@ private names (the probes' file checks it).
 """
 
 import contextlib
-from typing import Callable, Iterator, List, Sequence
+import threading
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
+# Where random ops take their seeds from, which no public module lets change.
+from tensorflow.python.framework import random_seed
 # The v1 condition's context, which no public module exports.
 from tensorflow.python.ops import control_flow_ops
 
@@ -205,3 +208,71 @@ def install_collection(graph: tf.Graph, key: str, items: list) -> None:
   and tf-nightly 2.22.0.dev20260905.
   """
   graph._collections[key] = items  # pylint: disable=protected-access
+
+
+# What `op_seeds_as_if_alone` needs: TensorFlow's own get_seed, the calls under
+# way (by thread: the graph and how many ops to leave out) and how many.
+_GET_SEED = random_seed.get_seed
+_SEEDING = threading.local()
+_SEEDING_LOCK = threading.Lock()
+_seeding_users = 0
+_seeds_count_ops: Optional[bool] = None
+
+
+def _get_seed(op_seed):
+  """TensorFlow's ``get_seed``, with the op count `op_seeds_as_if_alone`
+  asks for in its thread and graph."""
+  left_out = getattr(_SEEDING, "left_out", None)
+  graph = tf.get_default_graph()
+  if (op_seed is None and left_out and left_out[-1][0] is graph and
+      graph.seed is not None):
+    # pylint: disable=protected-access
+    op_seed = graph._last_id - left_out[-1][1]
+  return _GET_SEED(op_seed)
+
+
+def _op_seeds_count_ops() -> bool:
+  """Whether a graph's default op seed is its op count (TensorFlow 1.15), not
+  a count of the seeds it has handed out (2.x)."""
+  global _seeds_count_ops
+  if _seeds_count_ops is None:
+    with tf.Graph().as_default() as graph:
+      graph.seed = 1
+      # No op is made between the two: 1.15 hands out the same seed twice.
+      _seeds_count_ops = _GET_SEED(None) == _GET_SEED(None)
+  return _seeds_count_ops
+
+
+@contextlib.contextmanager
+def op_seeds_as_if_alone(first_id: int) -> Iterator[None]:
+  """Seeds the random ops made inside as if the default graph's ops made
+  after creation index `first_id`, before entering, did not exist.
+
+  Under a graph seed, a random op without a seed of its own takes its op
+  seed from its graph: TensorFlow 1.15 takes the graph's op count
+  (``Graph._last_id``), so ops towers makes before a model change the
+  model's initial values; 2.x counts only the seeds handed out, and this does
+  nothing there. Relies on random ops calling ``random_seed.get_seed``
+  through its module, which is replaced while any thread is inside (ops of
+  other threads and graphs get TensorFlow's seeds). Checked on TensorFlow
+  1.15.5.
+  """
+  global _seeding_users
+  if not _op_seeds_count_ops():
+    yield
+    return
+  graph = tf.get_default_graph()
+  left_out = last_op_id() - first_id
+  stack = _SEEDING.__dict__.setdefault("left_out", [])
+  with _SEEDING_LOCK:
+    _seeding_users += 1
+    random_seed.get_seed = _get_seed
+  stack.append((graph, left_out))
+  try:
+    yield
+  finally:
+    stack.pop()
+    with _SEEDING_LOCK:
+      _seeding_users -= 1
+      if not _seeding_users:
+        random_seed.get_seed = _GET_SEED

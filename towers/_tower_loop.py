@@ -74,6 +74,9 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
         "default): call tf.compat.v1.disable_eager_execution() (or "
         "tf.compat.v1.disable_v2_behavior()) at the start of your program, "
         "or build inside `with tf.Graph().as_default():`")
+  # Tower 0's random ops are seeded as if the ops built here before its
+  # model were not (TensorFlow 1.15 counts them).
+  first_op = _tf_internals.last_op_id()
   devices = check_devices(devices, num_towers)
   compute_dtype = _precision.check_compute_dtype(compute_dtype)
   if stage_inputs and inputs is None:
@@ -125,9 +128,11 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
       share = weights[i] if weights is not None else (
           1.0 if size is None else size)
       first = (scopes[0], added[0]) if i > 0 else ()
+      seeds = _tf_internals.op_seeds_as_if_alone(first_op) if i == 0 \
+          else contextlib.nullcontext()
       with tower_set.tower(i, scope, share), \
           _precision.master_weights(compute_dtype), \
-          _regularization_view.tower(scope, *first) as kept:
+          _regularization_view.tower(scope, *first) as kept, seeds:
         results.append(tower_fn(i, scope, batch, check))
       added.append(kept)
       if i > 0 and len(trainable) > known:
