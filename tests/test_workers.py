@@ -18,7 +18,16 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from towers import _tf_versions
 from towers import training
+
+# Clusters of workers that all-reduce: refused where collectives cannot time
+# out (TensorFlow 1.15), which test_workers_are_refused_without_timeouts
+# checks.
+needs_timeouts = pytest.mark.skipif(
+    not _tf_versions.collectives_time_out(),
+    reason="%s's collectives ignore operation_timeout_in_ms: towers refuses "
+    "num_workers > 1 there" % _tf_versions.describe())
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_SECS = 300
@@ -95,6 +104,7 @@ def _gap(a, b):
              for k in a)
 
 
+@needs_timeouts
 def test_two_workers_of_two_towers_equal_one_worker_of_four(runs):
   tmp, results = runs
   chief, other = _load(tmp / "w0.npz"), _load(tmp / "w1.npz")
@@ -115,6 +125,7 @@ def test_two_workers_of_two_towers_equal_one_worker_of_four(runs):
     assert result["global_step"] == 20
 
 
+@needs_timeouts
 def test_the_broadcast_gives_every_worker_the_chiefs_initial_values(runs):
   tmp, _ = runs
   chief, other = _load(tmp / "w0.npz"), _load(tmp / "w1.npz")
@@ -126,6 +137,7 @@ def test_the_broadcast_gives_every_worker_the_chiefs_initial_values(runs):
   assert not np.allclose(seed1.randn(6, 8), other["w1"][0])
 
 
+@needs_timeouts
 def test_the_chiefs_checkpoint_restores_into_a_single_device_graph(runs):
   tmp, _ = runs
   chief = _load(tmp / "w0.npz")
@@ -147,6 +159,7 @@ def test_the_chiefs_checkpoint_restores_into_a_single_device_graph(runs):
     np.testing.assert_array_equal(value, chief[var.op.name][-1])
 
 
+@needs_timeouts
 def test_a_restarted_cluster_resumes_from_the_chiefs_checkpoint(
     pytestconfig, runs):
   tmp, _ = runs
@@ -165,6 +178,7 @@ def test_a_restarted_cluster_resumes_from_the_chiefs_checkpoint(
   assert [r["global_step"] for r in results] == [22, 22]
 
 
+@needs_timeouts
 def test_one_tower_per_worker_equals_one_worker_of_two(pytestconfig,
                                                      tmp_path):
   procs = _cluster(pytestconfig, tmp_path, "w", 1, flags=("--steps", 8))
@@ -176,6 +190,7 @@ def test_one_tower_per_worker_equals_one_worker_of_two(pytestconfig,
   assert _gap(chief, _load(tmp_path / "w1.npz")) == 0.0
 
 
+@needs_timeouts
 def test_accumulated_micro_batches_across_workers_equal_one_worker_of_four(
     pytestconfig, tmp_path):
   flags = ("--steps", 4, "--accumulate_steps", 3)
@@ -193,6 +208,7 @@ def test_accumulated_micro_batches_across_workers_equal_one_worker_of_four(
   assert all(r["copies_gap"] == 0.0 for r in results)
 
 
+@needs_timeouts
 def test_every_regularizer_style_trains_across_workers_as_on_one_device(
     pytestconfig, tmp_path, legacy_keras_env):
   # tf.layers', tf-slim's (where it imports), a Keras layer's,
@@ -216,6 +232,7 @@ def test_every_regularizer_style_trains_across_workers_as_on_one_device(
   assert all(r["copies_gap"] == 0.0 for r in results[:2])
 
 
+@needs_timeouts
 def test_a_gan_trains_across_workers_as_on_one_device(pytestconfig, tmp_path):
   # D step then G step, each all-reduced over every worker's towers, the
   # generator's batch norm synchronized across them; the one device is one
@@ -235,6 +252,7 @@ def test_a_gan_trains_across_workers_as_on_one_device(pytestconfig, tmp_path):
              for r in results)
 
 
+@needs_timeouts
 def test_a_missing_peer_fails_the_step_under_the_operation_timeout(
     pytestconfig, tmp_path):
   # Worker 0 (the group leader) alone: its first collective waits for
@@ -282,6 +300,23 @@ def test_bad_num_workers_are_clear_errors(kwargs, error, words):
   assert words in str(raised.value)
 
 
+@needs_timeouts
+@pytest.mark.skipif(_tf_versions.collectives_time_out(),
+                    reason="%s's collectives time out: towers across workers "
+                    "run there" % _tf_versions.describe())
+def test_workers_are_refused_without_timeouts():
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError) as raised:
+      towers.build_towers(_model_fn, tf.train.GradientDescentOptimizer(0.1),
+                          2, inputs=tf.zeros([4, 3]), devices=WORKER_1,
+                          variable_device="replicated", num_workers=2)
+  for words in ["num_workers=2", "TensorFlow %s" % tf.__version__,
+                "wait forever", "TensorFlow 2.12 or later",
+                "tf.train.replica_device_setter"]:
+    assert words in str(raised.value)
+
+
+@needs_timeouts
 def test_one_graph_is_one_worker():
   with tf.Graph().as_default():
     towers.build_towers(_model_fn, tf.train.GradientDescentOptimizer(0.1), 2,
@@ -294,6 +329,7 @@ def test_one_graph_is_one_worker():
   assert "one graph is one worker" in str(raised.value)
 
 
+@needs_timeouts
 def test_the_graph_of_a_worker_reduces_across_workers():
   with tf.Graph().as_default() as graph:
     train_op, built = towers.minimize(

@@ -17,6 +17,7 @@ from typing import Sequence
 import tensorflow.compat.v1 as tf
 
 from towers import _devices
+from towers import _tf_versions
 from towers import _state
 
 
@@ -65,6 +66,14 @@ def check(num_workers: object, devices: Sequence[str],
         "the towers are on task %d of job %r, but num_workers=%d names "
         "tasks 0-%d; pass the number of worker tasks in the cluster"
         % (task[1], task[0], num_workers, num_workers - 1))
+  if not _tf_versions.collectives_time_out():
+    raise ValueError(
+        "num_workers=%d all-reduces across workers with TensorFlow's "
+        "collective ops, which on %s wait forever for a worker that never "
+        "comes (they ignore operation_timeout_in_ms): use TensorFlow 2.12 or "
+        "later, or parameter servers (num_workers=1 with "
+        "tf.train.replica_device_setter)"
+        % (num_workers, _tf_versions.describe()))
   return num_workers
 
 
