@@ -33,6 +33,8 @@ def main() -> None:
     tf.disable_v2_behavior()
   else:
     tf.disable_eager_execution()
+    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
+    tf.enable_resource_variables()
   ps_port, worker_port = training.free_ports(2)
   cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:%d" % ps_port],
                                   "worker": ["127.0.0.1:%d" % worker_port]})

@@ -38,6 +38,10 @@ def pytest_addoption(parser):
 def pytest_configure(config):
   if config.getoption("--ref-variables"):
     tf.disable_v2_behavior()
+  else:
+    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless
+    # asked.
+    tf.enable_resource_variables()
 
 
 def pytest_report_header(config):

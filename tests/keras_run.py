@@ -339,6 +339,9 @@ def regularization_errors():
 def main():
   if "--ref-variables" in sys.argv:
     tf.disable_v2_behavior()
+  else:
+    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
+    tf.enable_resource_variables()
   tf.disable_eager_execution()
   result = {}
   for kind in ("sequential", "functional", "subclassed", "mobilenet"):

@@ -236,6 +236,9 @@ def checkpoints_interchange(directory):
 def main():
   if "--ref-variables" in sys.argv:
     tf.disable_v2_behavior()
+  else:
+    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
+    tf.enable_resource_variables()
   result = {"tf": tf.__version__, "gradient_gap": gradient_gap(),
             "keras_error": keras_layer_per_tower_error()}
   result.update(train_with_batch_norm())

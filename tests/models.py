@@ -153,3 +153,8 @@ def weight_sends(graph, metadata, weights):
         counts = sent[var.op.name]
         counts[destination] = counts.get(destination, 0) + 1
   return sent
+
+
+def is_collective_reduce(op):
+  """Whether `op` is a collective all-reduce (TensorFlow 2's or 1.15's)."""
+  return op.type in ("CollectiveReduceV2", "CollectiveReduce")

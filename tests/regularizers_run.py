@@ -277,6 +277,9 @@ def sends(style):
 def main():
   if "--ref-variables" in sys.argv:
     tf.disable_v2_behavior()
+  else:
+    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
+    tf.enable_resource_variables()
   tf.disable_eager_execution()
   # --shard K/N: the styles K, K + N, ... of the list below.
   shard, shards = (int(n) for n in (sys.argv[sys.argv.index("--shard") + 1]

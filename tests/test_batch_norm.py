@@ -5,6 +5,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from tests import models
 
 TOLERANCE = 1e-5
 
@@ -286,7 +287,7 @@ def test_any_single_fetch_runs_the_whole_group(fetch, sums):
 
 def _collectives(graph):
   return [op for op in graph.get_operations()
-          if op.type == "CollectiveReduceV2"]
+          if models.is_collective_reduce(op)]
 
 
 @pytest.mark.parametrize("steps", [0, 3])

@@ -83,9 +83,10 @@ def test_every_tower_op_runs_on_its_tower_device():
         if not op.name.startswith(scope):
           continue
         if op.type == "ReadVariableOp":
-          # TensorFlow clears the device of resource reads on purpose; its
-          # placer puts them next to the variable, as ref reads are.
-          assert op.device == "", op.name
+          # TensorFlow 2 clears the device of resource reads on purpose, and
+          # its placer puts them next to the variable, as ref reads are;
+          # 1.15 gives them the variable's device.
+          assert op.device in ("", "/device:CPU:0"), op.name
         elif "regularization_loss" in op.name or "Regularizer" in op.name:
           # Weight decay, computed from the variables alone, runs next to
           # them (on /cpu:0), and so does its gradient.

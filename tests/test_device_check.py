@@ -6,6 +6,7 @@ machine without GPUs), and run under an operation timeout: each ends in the
 correct result or a clear error, never in a hang (a DeadlineExceededError).
 """
 
+import collections
 import re
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from towers import _tf_versions
 from models import batch, model_fn, reference_training
 
 # A collective waiting for a member that never comes fails instead of
@@ -80,10 +82,9 @@ def test_default_devices_are_the_visible_ones(monkeypatch):
     t = towers.build_towers(model_fn(), tf.train.GradientDescentOptimizer(0.1),
                             2, inputs=tuple(map(tf.constant, batch(4))))
     assert t.devices == ["/cpu:0", "/cpu:1"]
-  gpus = [tf.config.PhysicalDevice("/physical_device:GPU:%d" % i, "GPU")
-          for i in range(2)]
-  monkeypatch.setattr(tf.config, "list_physical_devices",
-                      lambda kind=None: gpus if kind == "GPU" else [])
+  gpus = [collections.namedtuple("Device", "name device_type")(
+      "/physical_device:GPU:%d" % i, "GPU") for i in range(2)]
+  monkeypatch.setattr(_tf_versions, "physical_gpus", lambda: gpus)
   assert towers.tower_devices(2) == ["/gpu:0", "/gpu:1"]
   assert towers.tower_devices(1, task="/job:worker/task:1") == [
       "/job:worker/task:1/gpu:0"]

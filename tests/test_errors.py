@@ -238,7 +238,8 @@ def test_numpy_bools_and_floats_are_refused_as_tower_counts():
 
 def test_eager_execution_names_the_call_that_turns_it_off():
   if not tf.executing_eagerly():
-    pytest.skip("eager execution is off in this run (--ref-variables)")
+    pytest.skip("eager execution is off in this run (--ref-variables, or "
+                "TensorFlow 1.x)")
   with pytest.raises(RuntimeError, match=r"eager execution is on.*"
                      r"tf.compat.v1.disable_eager_execution\(\)"):
     towers.build_towers(lambda scope: tf.constant(1.0), _sgd(), 1,

@@ -224,7 +224,8 @@ def test_replicated_copies_were_trained_identical_and_left_unsaved(
     primary = name.split("/", 1)[1]
     np.testing.assert_array_equal(on_towers.values[name],
                                   on_towers.values[primary], err_msg=name)
-  collective = "CollectiveReduceV2" in on_towers.op_types
+  collective = bool({"CollectiveReduceV2", "CollectiveReduce"}
+                    & set(on_towers.op_types))
   assert collective == (on_towers.params["all_reduce"] == "collective")
 
 

@@ -9,6 +9,7 @@ import tensorflow.compat.v1 as tf
 
 import towers
 from towers import _loss_scale
+from towers import _tf_versions
 
 from tests import models
 
@@ -186,7 +187,7 @@ def test_half_checkpoint_restores_into_a_float32_single_device_graph(
 
 def test_loss_scale_optimizer_of_tensorflow_composes_with_minimize():
   with tf.Graph().as_default() as g:
-    opt = tf.mixed_precision.MixedPrecisionLossScaleOptimizer(
+    opt = _tf_versions.loss_scale_optimizers()[0](
         tf.train.MomentumOptimizer(0.1, 0.9), "dynamic")
     boost = tf.placeholder_with_default(1.0, [])
     train_op, t, global_step = build("float16", opt=opt, boost=boost)
@@ -220,7 +221,7 @@ def test_bad_loss_scale_is_refused(loss_scale):
 
 def test_loss_scale_on_a_loss_scale_optimizer_is_refused():
   with tf.Graph().as_default():
-    opt = tf.mixed_precision.MixedPrecisionLossScaleOptimizer(
+    opt = _tf_versions.loss_scale_optimizers()[0](
         tf.train.GradientDescentOptimizer(0.1), "dynamic")
     with pytest.raises(ValueError, match="scale it twice"):
       build("float16", opt=opt, loss_scale="dynamic")

@@ -9,6 +9,7 @@ import tensorflow.compat.v1 as tf
 import towers
 from towers import _allreduce
 from towers import _collectives
+from tests import models
 from models import (batch, config as _config, devices, initial_values,
                     loss_fn, model_fn, reference_gradients,
                     reference_training)
@@ -472,13 +473,14 @@ def test_auto_is_collective_on_gpus_and_add_n_on_cpus():
         inputs=tuple(tf.constant(a) for a in batch(4)),
         devices=["/gpu:0", "/gpu:1"], variable_device="replicated")
     assert t.all_reduce == "collective"
-    ops = [op.type for op in tf.get_default_graph().get_operations()]
-    assert "CollectiveReduceV2" not in ops  # built by average_gradients
+    ops = tf.get_default_graph().get_operations()
+    # Built by average_gradients.
+    assert not any(map(models.is_collective_reduce, ops))
     # Unpacked: one collective per variable and device.
     averaged = towers.average_gradients(t.tower_grads, t.weights,
                                         pack_bytes=0)
     reduce_ops = [op for op in tf.get_default_graph().get_operations()
-                  if op.type == "CollectiveReduceV2"]
+                  if models.is_collective_reduce(op)]
     assert len(reduce_ops) == 2 * 4
     assert {op.get_attr("communication_hint") for op in reduce_ops} == {
         b"nccl"}

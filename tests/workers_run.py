@@ -50,6 +50,8 @@ def main() -> None:
     tf.disable_v2_behavior()
   else:
     tf.disable_eager_execution()
+    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
+    tf.enable_resource_variables()
   ports = [p for p in args.ports.split(",") if p]
   workers = max(1, len(ports))
   config = towers.virtual_cpu_config(args.towers)
