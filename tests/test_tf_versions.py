@@ -83,6 +83,21 @@ def test_collectives_reduce_gather_and_broadcast(dtype):
     np.testing.assert_array_equal(got, values[0])
 
 
+def test_variables_outside_xla_leaves_the_other_ops_compiled():
+  with tf.Graph().as_default() as graph:
+    with tf.xla.experimental.jit_scope():
+      with _tf_versions.variables_outside_xla():
+        v = tf.get_variable("v", [2])
+      doubled = v * 2.0
+  compiled = {op.name: op.get_attr("_XlaCompile")
+              for op in graph.get_operations()
+              if "_XlaCompile" in op.node_def.attr}
+  assert compiled[doubled.op.name] is True
+  assert not any(compiled[op.name] for op in graph.get_operations()
+                 if op.name.startswith("v") and op.name in compiled)
+  assert any(op.name.startswith("v") for op in graph.get_operations())
+
+
 def test_collectives_time_out_where_they_are_version_2():
   assert _tf_versions.collectives_time_out() == hasattr(
       tf.raw_ops, "CollectiveReduceV2")

@@ -72,3 +72,25 @@ def test_compiled_replicated_towers_train_as_uncompiled():
         trained.append(sess.run(tf.global_variables()))
   for a, b in zip(*trained):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variable_device", ["/cpu:0", "replicated"])
+def test_variables_made_under_the_models_jit_scope_start_in_a_monitored_session(
+    variable_device):
+  # TensorFlow 1.15 compiles a resource variable made in the scope, and
+  # MonitoredTrainingSession then finds every variable uninitialized.
+  x, y = models.batch(BATCH)
+  with tf.Graph().as_default() as graph:
+    train_op, t = towers.minimize(
+        model_fn(True), tf.train.GradientDescentOptimizer(0.5), 2,
+        inputs=(tf.constant(x), tf.constant(y)), devices=models.devices(2),
+        variable_device=variable_device,
+        global_step=tf.train.get_or_create_global_step())
+    variables = [op for op in graph.get_operations()
+                 if op.type in ("VarHandleOp", "VariableV2")]
+    assert variables and not any(
+        op.get_attr("_XlaCompile") for op in variables
+        if "_XlaCompile" in op.node_def.attr)
+    with tf.train.MonitoredTrainingSession(config=models.config(2)) as sess:
+      losses = [sess.run([train_op, t.loss])[1] for _ in range(3)]
+  assert losses[-1] < losses[0]

@@ -9,7 +9,8 @@ on the TensorFlow it runs under; no other module of towers checks versions.
 (The private APIs towers relies on are in ``_tf_internals``.)
 """
 
-from typing import Any, List, Sequence
+import contextlib
+from typing import Any, Iterator, List, Sequence
 
 import tensorflow.compat.v1 as tf
 
@@ -56,6 +57,24 @@ def loss_scale_optimizers() -> tuple:
     if isinstance(cls, type) and cls not in found:
       found.append(cls)
   return tuple(found)
+
+
+@contextlib.contextmanager
+def variables_outside_xla() -> Iterator[None]:
+  """Keeps the variables made inside out of a model's ``jit_scope``.
+
+  TensorFlow 1.15 compiles the ops of a resource variable made under a
+  ``jit_scope`` with the model, and the session's checks then find every
+  variable uninitialized (``MonitoredTrainingSession`` fails to start); 2.x
+  leaves variables alone. A variable is state, never worth compiling.
+  """
+
+  def creator(next_creator, **kwargs):
+    with tf.xla.experimental.jit_scope(compile_ops=False):
+      return next_creator(**kwargs)
+
+  with tf.variable_creator_scope(creator):
+    yield
 
 
 def _widened(tensor: tf.Tensor) -> tf.Tensor:

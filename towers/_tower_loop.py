@@ -24,6 +24,7 @@ from towers import _reduction
 from towers import _regularization_view
 from towers import _staging
 from towers import _tf_internals
+from towers import _tf_versions
 
 
 BuiltTowers = collections.namedtuple("BuiltTowers", [
@@ -118,7 +119,9 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
     with _names.tower_variable_scope(
         outer, i, names[i].rstrip("/"), requested), \
         _placement.tower_placement(device, placer), copies, \
-        tf.name_scope(names[i]) as scope, _names.single_device_names(scope, i):
+        tf.name_scope(names[i]) as scope, \
+        _names.single_device_names(scope, i), \
+        _tf_versions.variables_outside_xla():
       batch = staged[i] if staged else _inputs.tower_batch(inputs, shards, i)
       size = _inputs.batch_size(batch) if sized else None
       sizes.append(size)
