@@ -278,9 +278,11 @@ def train_dataset(paths: Sequence[str], batch_size: int,
     shuffle_buffer = max(1, int(SHUFFLE_FRACTION * num_records))
   dataset = tf.data.FixedLengthRecordDataset(list(paths), RECORD_BYTES)
   dataset = dataset.shuffle(shuffle_buffer).repeat()
-  dataset = dataset.map(_train_example, num_parallel_calls=tf.data.AUTOTUNE)
+  dataset = dataset.map(_train_example,
+                        num_parallel_calls=tf.data.experimental.AUTOTUNE)
   return common.without_autotune(dataset.batch(
-      batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+      batch_size, drop_remainder=True).prefetch(
+          tf.data.experimental.AUTOTUNE))
 
 
 def fake_train_dataset(batch_size: int) -> tf.data.Dataset:
@@ -290,10 +292,12 @@ def fake_train_dataset(batch_size: int) -> tf.data.Dataset:
   32x32x3 byte image through the same distortions as real data, so only the
   file reading is missing from the cost. Nothing can be learned from it.
   """
-  dataset = tf.data.Dataset.random(seed=0).map(
-      _fake_example, num_parallel_calls=tf.data.AUTOTUNE)
+  # Each example's index seeds its image (Dataset.random is TensorFlow 2's).
+  dataset = tf.data.Dataset.range(np.iinfo(np.int64).max).map(
+      _fake_example, num_parallel_calls=tf.data.experimental.AUTOTUNE)
   return common.without_autotune(dataset.batch(
-      batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+      batch_size, drop_remainder=True).prefetch(
+          tf.data.experimental.AUTOTUNE))
 
 
 def eval_dataset(paths: Sequence[str], batch_size: int,
@@ -304,6 +308,7 @@ def eval_dataset(paths: Sequence[str], batch_size: int,
   """
   dataset = tf.data.FixedLengthRecordDataset(list(paths), RECORD_BYTES)
   dataset = dataset.take(num_examples)
-  dataset = dataset.map(_eval_example, num_parallel_calls=tf.data.AUTOTUNE)
+  dataset = dataset.map(_eval_example,
+                        num_parallel_calls=tf.data.experimental.AUTOTUNE)
   return common.without_autotune(
-      dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE))
+      dataset.batch(batch_size).prefetch(tf.data.experimental.AUTOTUNE))

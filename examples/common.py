@@ -540,7 +540,10 @@ def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
   most 16), the model's starting point.
   """
   options = tf.data.Options()
-  options.autotune.enabled = False
+  if hasattr(options, "autotune"):
+    options.autotune.enabled = False
+  else:  # TensorFlow 1.15 keeps the switch with the graph optimizations.
+    options.experimental_optimization.autotune = False
   return dataset.with_options(options)
 
 

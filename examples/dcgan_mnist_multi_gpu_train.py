@@ -139,7 +139,7 @@ def train(*, train_dir, data_dir=None, dataset="mnist", num_gpus=2,
         save_summaries_steps=save_summaries_steps)
     with tf.Session(config=config) as sess:
       tf.train.Saver().restore(sess, tf.train.latest_checkpoint(train_dir))
-      png, summary = sess.run([tf.io.encode_png(pixels), image])
+      png, summary = sess.run([tf.image.encode_png(pixels), image])
     writer = tf.summary.FileWriterCache.get(train_dir)
     writer.add_summary(summary, step)
     writer.flush()

@@ -348,7 +348,8 @@ def train_dataset(images: IdxFile, labels: IdxFile, batch_size: int, *,
   ds = ds.shuffle(shuffle_buffer or images.count, seed=seed,
                   reshuffle_each_iteration=True)
   ds = ds.repeat().batch(batch_size, drop_remainder=True)
-  return common.without_autotune(ds.map(_decode).prefetch(tf.data.AUTOTUNE))
+  return common.without_autotune(
+      ds.map(_decode).prefetch(tf.data.experimental.AUTOTUNE))
 
 
 def eval_dataset(images: IdxFile, labels: IdxFile,
@@ -359,8 +360,8 @@ def eval_dataset(images: IdxFile, labels: IdxFile,
   so a pass over it counts exactly ``images.count`` examples.
   """
   ds = tf.data.Dataset.zip((_records(images), _records(labels)))
-  return common.without_autotune(
-      ds.batch(batch_size).map(_decode).prefetch(tf.data.AUTOTUNE))
+  return common.without_autotune(ds.batch(batch_size).map(_decode).prefetch(
+      tf.data.experimental.AUTOTUNE))
 
 
 def fake_dataset(batch_size: int, seed: int = 0) -> tf.data.Dataset:
@@ -377,4 +378,4 @@ def fake_dataset(batch_size: int, seed: int = 0) -> tf.data.Dataset:
     return images, labels
   return common.without_autotune(
       tf.data.Dataset.range(1).map(make).cache().repeat().prefetch(
-          tf.data.AUTOTUNE))
+          tf.data.experimental.AUTOTUNE))

@@ -18,12 +18,19 @@ import tensorflow.compat.v1 as tf
 
 import mnist_eval
 from test_mnist import synthetic, write_split
+from towers import _tf_versions
 from towers import training
 
 EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
                                         "examples"))
 TRAIN = os.path.join(EXAMPLES, "mnist_multi_gpu_train.py")
 STEP = re.compile(r"\[(worker\d)\].*step (\d+), loss = (\d+\.\d+)")
+# Collective mode across workers needs collectives that time out (TensorFlow
+# 2's): towers refuses it where they would wait forever for a lost worker.
+COLLECTIVES_TIME_OUT = _tf_versions.collectives_time_out()
+REFUSED = ("this TensorFlow's collectives wait forever for a lost worker, so "
+           "towers refuses collective mode across workers (the refusal: "
+           "test_collective_mode_is_refused_where_collectives_never_time_out)")
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +334,7 @@ def _saved_step(train_dir):
   return int(tf.train.latest_checkpoint(train_dir).rsplit("-", 1)[1])
 
 
+@pytest.mark.skipif(not COLLECTIVES_TIME_OUT, reason=REFUSED)
 def test_collective_workers_stop_together_on_any_loss_and_resume(
     data_dir, tmp_path):
   """2 workers of 2 towers, no ps: a kill and a SIGTERM, each then a
@@ -392,6 +400,30 @@ def test_collective_workers_stop_together_on_any_loss_and_resume(
                                eval_dir=str(tmp_path / "eval"), run_once=True,
                                mirrors=())
   assert result.global_step == 60
+
+
+@pytest.mark.skipif(COLLECTIVES_TIME_OUT, reason="this TensorFlow's "
+                    "collectives time out, so collective mode runs (tested "
+                    "above)")
+def test_collective_mode_is_refused_where_collectives_never_time_out(
+    data_dir, tmp_path):
+  # Run as a user would: the launcher ends at once, each worker saying why.
+  done = subprocess.run(
+      [sys.executable, os.path.join(EXAMPLES, "launch_local_cluster.py"),
+       "--num_ps=0", "--num_workers=2", "--"] +
+      _train_args(data_dir, str(tmp_path / "train"), 60),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      timeout=180, check=False, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  out = done.stdout
+  assert done.returncode == 1, out[-3000:]
+  for worker in ("worker0", "worker1"):
+    assert re.search(
+        r"\[%s\] E.*num_workers=2 all-reduces across workers with "
+        r"TensorFlow's collective ops, which on TensorFlow \S+ wait forever "
+        r"for a worker that never comes .*: use TensorFlow 2\.12 or later, "
+        r"or parameter servers" % worker, out), out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  assert not tf.train.latest_checkpoint(str(tmp_path / "train"))
 
 
 def test_parameter_server_mode_workers_killed_and_restarted_rejoin(

@@ -6,6 +6,7 @@ real MNIST files when they are present. Downloads only ever go to loopback.
 """
 
 import ast
+import collections
 import functools
 import glob
 import gzip
@@ -24,13 +25,13 @@ import time
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
-from tensorflow.core.framework import dataset_options_pb2
 
 import common
 import mnist_data
 import mnist_eval
 import mnist_multi_gpu_train as mnist_train
 import towers
+from towers import _tf_versions
 from towers import training
 
 EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
@@ -152,7 +153,12 @@ def test_train_and_eval_pipelines_scale_pixels_alike(tmp_path):
 
 def autotune_off(make_dataset):
   """Whether the pipeline `make_dataset()` builds has tf.data's autotuning
-  model off, in its graph's options (what the runtime reads)."""
+  model off, in what the runtime reads: its graph's options, or (TensorFlow
+  1.15) its iterator's ops."""
+  try:
+    from tensorflow.core.framework import dataset_options_pb2
+  except ImportError:  # TensorFlow 1.15: the model is a ModelDataset op.
+    return _no_model_dataset(make_dataset)
   with tf.Graph().as_default() as g:
     make_dataset()
   options = [dataset_options_pb2.Options.FromString(
@@ -160,6 +166,14 @@ def autotune_off(make_dataset):
              for op in g.get_operations() if op.type == "OptionsDataset"]
   return bool(options) and all(o.HasField("enabled") and not o.enabled
                                for o in options)
+
+
+def _no_model_dataset(make_dataset):
+  """Whether an iterator on `make_dataset()` has no autotuning model, which
+  TensorFlow 1.15 adds as a ModelDataset op when the iterator is made."""
+  with tf.Graph().as_default() as g:
+    tf.data.make_initializable_iterator(make_dataset())
+  return not [op for op in g.get_operations() if op.type == "ModelDataset"]
 
 
 def test_pipelines_run_without_tf_datas_autotuning_thread(tiny_mnist):
@@ -707,9 +721,9 @@ def test_tower_devices_the_session_lacks_are_a_clear_error(tmp_path,
 
 def test_fewer_gpus_than_towers_are_a_clear_error(tmp_path, monkeypatch):
   # As when CUDA_VISIBLE_DEVICES hides one of two GPUs.
-  gpus = [tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")]
-  monkeypatch.setattr(tf.config, "list_physical_devices",
-                      lambda kind=None: gpus if kind == "GPU" else [])
+  gpus = [collections.namedtuple("Device", "name device_type")(
+      "/physical_device:GPU:0", "GPU")]
+  monkeypatch.setattr(_tf_versions, "physical_gpus", lambda: gpus)
   with pytest.raises(common.DeviceError, match=r"--num_gpus=2: 2 towers but "
                      r"1 GPU\(s\) visible.*Build 1 towers"):
     _train(str(tmp_path), str(tmp_path / "train"), max_steps=5,
@@ -917,8 +931,14 @@ def test_a_short_run_logs_each_line_once(tiny_mnist, tmp_path):
   late = [line for line in lines[first:]
           if CPP_LINE.match(line) and line[0] in "IW"]
   assert not late, late
-  messages = [ABSL_PREFIX.sub("", line) for line in lines[first:]
-              if not CPP_LINE.match(line)]
+  # A message is a record's first line with the lines that continue it
+  # (TensorFlow's deprecation warnings take three).
+  messages = []
+  for line in lines[first:]:
+    if ABSL_PREFIX.match(line):
+      messages.append(ABSL_PREFIX.sub("", line))
+    elif not CPP_LINE.match(line) and messages:
+      messages[-1] += "\n" + line
   repeated = sorted({m for m in messages if messages.count(m) > 1})
   assert not repeated, done.stderr[-3000:]
   assert any("Saving checkpoints for 3 into" in m for m in messages)
@@ -1246,9 +1266,10 @@ def test_staged_inputs_end_cleanly_with_the_data(tiny_mnist, tmp_path,
 
 def test_two_towers_learn_real_mnist(mnist_dir, tmp_path):
   train_dir = str(tmp_path / "train")
-  # 12,800 examples (a fifth of an epoch), halving the rate every 6,000.
+  # 19,200 examples (a third of an epoch), halving the rate every 6,000: a
+  # margin over 0.97 whichever weights the TensorFlow version draws.
   mnist_train.train(train_dir=train_dir, data_dir=mnist_dir, num_gpus=2,
-                    batch_size=32, max_steps=200, learning_rate=0.05,
+                    batch_size=32, max_steps=300, learning_rate=0.05,
                     learning_rate_decay=0.5, epochs_per_decay=0.1,
                     dropout_rate=0.0, log_frequency=50, mirrors=(), seed=0)
   result = mnist_eval.evaluate(checkpoint_dir=train_dir, data_dir=mnist_dir,
