@@ -27,7 +27,8 @@ setup(
     long_description=_readme(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["towers", "towers.*"]),
-    python_requires=">=3.9",
+    # 3.7: TensorFlow 1.15.5's wheels (NVIDIA's 1.15 builds: 3.8).
+    python_requires=">=3.7",
     install_requires=["numpy"],
     extras_require={
         # The bound is the minor after the newest release scripts/test.sh
@@ -36,6 +37,9 @@ setup(
         # no longer does; the range matches the TensorFlow range, and each of
         # TensorFlow 2.12-2.20 pins its own minor version.
         "tf": ["tensorflow>=2.12,<2.22", "tensorboard>=2.12,<2.22"],
+        # TensorFlow 1.15 (Python 3.7): its protobuf bound is missing from
+        # its own requirements, and a newer protobuf fails at import.
+        "tf1": ["tensorflow>=1.15,<1.16", "protobuf<3.21"],
         # tf-slim: the tests train its layers' regularizers on towers.
         "test": ["pytest>=7", "tf-slim>=1.1"],
         "bench": ["matplotlib"],
@@ -44,5 +48,7 @@ setup(
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    license_expression="Apache-2.0",
+    # A plain license field: SPDX expressions need setuptools >= 77, which
+    # Python 3.7 cannot install.
+    license="Apache-2.0",
 )

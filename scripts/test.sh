@@ -14,6 +14,10 @@
 #           under resource variables;
 #   oldest  TensorFlow 2.12 (numpy<2): library tests under both kinds of
 #           variables;
+#   tf115   TensorFlow 1.15 on Python 3.7 (setup.py's tf1 extra): library
+#           tests under ref variables (1.15's default), then under resource
+#           variables with the examples' tests (not the benchmark's, which
+#           compares against TensorFlow 2's MirroredStrategy);
 #   nightly the next TensorFlow: the newest tf-nightly-cpu the registry serves
 #           (or $TF_NIGHTLY, e.g. tf-nightly), with the tf_keras nightly of its
 #           version; library tests under both kinds of variables. Not in the
@@ -21,12 +25,17 @@
 #           before each release, and before raising setup.py's bound.
 # Python: python3 (or $PYTHON) must be 3.10 or 3.11 for the default run:
 # TensorFlow 2.21 has wheels for Python 3.10-3.13, TensorFlow 2.12 for
-# 3.8-3.11. The script checks this first and exits with status 2 otherwise.
-# Usage: bash scripts/test.sh [checks] [newest] [oldest] [nightly]
-#        (default: checks newest oldest)
+# 3.8-3.11. TensorFlow 1.15 (tf115, and the checks' wheel on it) needs
+# Python 3.7: $PYTHON37, else python3.7 on PATH, else pyenv's newest 3.7.
+# The script checks both first and exits with status 2 otherwise.
+# Usage: bash scripts/test.sh [checks] [newest] [oldest] [tf115] [nightly]
+#        (default: checks newest oldest tf115)
 # Virtualenvs go to $VENV_ROOT (default .venv-test/), made anew on each run;
-# pip's cache is reused. A failed check or test does not stop the run: the
-# last line counts them all, and the exit status is 1 if any failed.
+# pip's cache is reused. Once every environment is set up, the test runs go
+# in two lanes side by side (LANES=1: one after another), each run bounded
+# by $RUN_TIMEOUT_SECS (default 2700). A failed check or test does not stop
+# the run: the last line counts them all, and the exit status is 1 if any
+# failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
@@ -35,7 +44,7 @@ root="${VENV_ROOT:-.venv-test}"
 case "$root" in /*) ;; *) root="$repo/$root" ;; esac
 python="${PYTHON:-python3}"
 envs=("$@")
-[ ${#envs[@]} -gt 0 ] || envs=(checks newest oldest)
+[ ${#envs[@]} -gt 0 ] || envs=(checks newest oldest tf115)
 
 # Before anything else: the environments exist, and python3 can install
 # their TensorFlow (the Python versions its wheels are built for).
@@ -48,9 +57,10 @@ for env in "${envs[@]}"; do
     oldest)
       low=8; high=11
       oldest_tf="TensorFlow 2.12 has wheels for Python 3.8-3.11" ;;
+    tf115) continue ;;  # Python 3.7, found below
     *)
-      echo "unknown environment '$env' (expected checks, newest, oldest or" \
-        "nightly)" >&2
+      echo "unknown environment '$env' (expected checks, newest, oldest," \
+        "tf115 or nightly)" >&2
       exit 2 ;;
   esac
   if [ "$low" -gt "$lowest" ]; then lowest=$low; fi
@@ -68,6 +78,35 @@ if [ -z "$minor" ] || [ "$minor" -lt "$lowest" ] \
   exit 2
 fi
 
+find_python37() {  # prints a Python 3.7 interpreter, or fails
+  local root candidate
+  root=$(pyenv root 2>/dev/null) || root=""
+  # pyenv's versions directly: its python3.7 shim answers only when a 3.7
+  # version is selected.
+  for candidate in "${PYTHON37:-}" python3.7 \
+      $(ls -d "$root"/versions/3.7.*/bin/python3.7 2>/dev/null | sort -V -r)
+  do
+    if [ -n "$candidate" ] && "$candidate" -c \
+        'import sys; sys.exit(sys.version_info[:2] != (3, 7))' 2>/dev/null
+    then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+python37=""
+case " ${envs[*]} " in *" checks "*|*" tf115 "*)
+  if ! python37=$(find_python37); then
+    echo "scripts/test.sh needs Python 3.7 for TensorFlow 1.15 (tf115, and" \
+      "the checks' wheel on it; TensorFlow 1.15.5 has wheels for Python" \
+      "3.7 only): set PYTHON37 to a python3.7, put one on PATH, or install" \
+      "one with pyenv (pyenv install 3.7.16); or leave out checks and tf115" \
+      "(bash scripts/test.sh newest oldest)" >&2
+    exit 2
+  fi ;;
+esac
+
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 summary=()
 checked=()
@@ -76,11 +115,32 @@ reports=$(mktemp -d)
 trap 'rm -rf "$reports"' EXIT
 run=0
 
-tests() {  # tests PYTHON PYTEST_ARGS...
-  local py="$1"
+# The test runs go to two lanes that run side by side once every
+# environment is set up: pytest keeps about one core busy, and the machines
+# have two. LANES=1 runs them one after another.
+tests() {  # tests LANE PYTHON PYTEST_ARGS... ; queues a pytest run
+  local lane="$1"
   shift
-  run=$((run + 1))
-  "$py" -m pytest --junitxml="$reports/$run.xml" "$@" || failed=1
+  [ "${LANES:-2}" -gt 1 ] || lane=a
+  printf '%q ' "$@" >> "$reports/lane-$lane.jobs"
+  echo >> "$reports/lane-$lane.jobs"
+}
+
+run_lane() {  # run_lane LANE ; its pytest runs, one after another
+  local lane="$1" n=0 line py
+  [ -f "$reports/lane-$lane.jobs" ] || return 0
+  while IFS= read -r line; do
+    n=$((n + 1))
+    eval "set -- $line"
+    py="$1"
+    shift
+    echo "== lane $lane: $py -m pytest $*"
+    # A bound on the whole run: a test that hangs (TensorFlow 1.15's
+    # collectives ignore timeouts) fails it instead of stalling CI.
+    timeout --kill-after=60 "${RUN_TIMEOUT_SECS:-2700}" \
+      "$py" -m pytest --junitxml="$reports/lane-$lane-$n.xml" "$@" \
+      || touch "$reports/lane-failed"
+  done < "$reports/lane-$lane.jobs"
 }
 
 check() {  # check NAME COMMAND... ; counted like a test in the total
@@ -101,11 +161,12 @@ XML
 }
 
 make_venv() {  # make_venv NAME PIP_ARGS... ; prints the venv's python
-  # Each step returns on failure: callers run it where set -e is off.
+  # Each step returns on failure: callers run it where set -e is off. The
+  # venv's Python is $venv_python, else $python.
   local venv="$root/$1"
   shift
   rm -rf "$venv" || return 1
-  "$python" -m venv "$venv" >&2 || return 1
+  "${venv_python:-$python}" -m venv "$venv" >&2 || return 1
   "$venv/bin/python" -m pip install -q --upgrade pip >&2 || return 1
   "$venv/bin/python" -m pip install -q "$@" >&2 || return 1
   echo "$venv/bin/python"
@@ -151,13 +212,13 @@ build_dist() {  # build_dist DIR ; the sdist, then the wheel from the sdist
   ls "$1"
 }
 
-wheel_quick_start() {  # wheel_quick_start DIST_DIR
+wheel_quick_start() {  # wheel_quick_start DIST_DIR EXTRA [PYTHON]
   local wheel
   wheel=$(ls "$1"/towers-*.whl) || return 1
-  # Not editable, and with TensorFlow from the tf extra (pip's cache is
+  # Not editable, and with TensorFlow from the extra (pip's cache is
   # reused, so TensorFlow is downloaded once per machine).
   local wpy
-  wpy=$(make_venv wheel "$wheel[tf]") || return 1
+  wpy=$(venv_python="${3:-}" make_venv "wheel-$2" "$wheel[$2]") || return 1
   # From a directory outside the repository, so that `import towers` finds
   # the installed wheel, never the source tree.
   local outside
@@ -215,22 +276,32 @@ for env in "${envs[@]}"; do
       check "mypy towers/" "$cpy" -m mypy
       check "build sdist and wheel" build_dist "$dist"
       check "twine check" "$cpy" -m twine check --strict "$dist"/*
-      check "wheel[tf] runs the README quick start" wheel_quick_start "$dist"
+      check "wheel[tf] runs the README quick start" wheel_quick_start \
+        "$dist" tf
+      check "wheel[tf1] runs the README quick start on TensorFlow 1.15" \
+        wheel_quick_start "$dist" tf1 "$python37"
       ;;
     newest)
       py=$(setup newest -e ".[tf,test]")
-      tests "$py" tests --ref-variables --ignore=tests/examples \
+      tests b "$py" tests --ref-variables --ignore=tests/examples \
         --ignore=tests/test_benchmarks.py "${once_only[@]}"
-      tests "$py" tests
+      tests a "$py" tests
       summary+=("$(describe "$py" "ref + resource (examples: resource)")")
       ;;
     oldest)
       py=$(setup oldest "tensorflow==2.12.*" "numpy<2" -e ".[test]")
-      tests "$py" tests --ref-variables --ignore=tests/examples \
+      tests b "$py" tests --ref-variables --ignore=tests/examples \
         --ignore=tests/test_benchmarks.py "${once_only[@]}"
-      tests "$py" tests --ignore=tests/examples \
+      tests b "$py" tests --ignore=tests/examples \
         --ignore=tests/test_benchmarks.py
       summary+=("$(describe "$py" "ref + resource")")
+      ;;
+    tf115)
+      py=$(venv_python="$python37" setup tf115 -e ".[tf1,test]")
+      tests b "$py" tests --ref-variables --ignore=tests/examples \
+        --ignore=tests/test_benchmarks.py "${once_only[@]}"
+      tests a "$py" tests --ignore=tests/test_benchmarks.py
+      summary+=("$(describe "$py" "ref + resource (examples: resource)")")
       ;;
     nightly)
       # tf_keras's nightly pins tf-nightly, a second TensorFlow beside
@@ -239,14 +310,25 @@ for env in "${envs[@]}"; do
       keras_req=$("$py" -c 'import tensorflow as tf
 print("tf-keras-nightly~=%s.0.dev" % ".".join(tf.__version__.split(".")[:2]))')
       "$py" -m pip install -q --pre --no-deps "$keras_req"
-      tests "$py" tests --ref-variables --ignore=tests/examples \
+      tests a "$py" tests --ref-variables --ignore=tests/examples \
         --ignore=tests/test_benchmarks.py "${once_only[@]}"
-      tests "$py" tests --ignore=tests/examples \
+      tests b "$py" tests --ignore=tests/examples \
         --ignore=tests/test_benchmarks.py
       summary+=("$(describe "$py" "ref + resource (nightly)")")
       ;;
   esac
 done
+
+# Lane b's output follows lane a's, once both have ended.
+run_lane b > "$reports/lane-b.log" 2>&1 &
+lane_b=$!
+run_lane a
+wait "$lane_b" || true
+if [ -s "$reports/lane-b.log" ]; then
+  echo
+  cat "$reports/lane-b.log"
+fi
+[ ! -e "$reports/lane-failed" ] || failed=1
 
 # The README's compatibility table must list every release tested here.
 for row in "${summary[@]+"${summary[@]}"}"; do

@@ -2,9 +2,10 @@
 
 The README's commands run in the virtualenv its one-liner makes, never in
 whatever `python` is first on PATH. scripts/test.sh checks python3 before it
-does anything: TensorFlow 2.12 has no wheels past Python 3.11 and TensorFlow
-2.21 none before 3.10, so with another python3 the script would fail minutes
-later in pip; it must say so at once, with exit status 2, and create nothing.
+does anything: TensorFlow 2.12 has no wheels past Python 3.11, TensorFlow
+2.21 none before 3.10 and TensorFlow 1.15 none but for 3.7, so with another
+Python the script would fail minutes later in pip; it must say so at once,
+with exit status 2, and create nothing.
 """
 
 import os
@@ -48,8 +49,9 @@ def test_the_readme_test_subset_runs_and_passes():
   assert re.search(r"\b\d+ passed\b", done.stdout.splitlines()[-1])
 
 
-def _run_with_python(tmp_path, version, *envs):
-  """Runs test.sh with a python3 that reports `version` and does nothing."""
+def _run_with_python(tmp_path, version, *envs, path=None):
+  """Runs test.sh with a python3 that reports `version` and does nothing,
+  first on PATH (or on `path` alone)."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   fake = bin_dir / "python3"
@@ -59,9 +61,10 @@ def _run_with_python(tmp_path, version, *envs):
                   'exit 3\n' % version)
   fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
   venvs = tmp_path / "venvs"
-  env = dict(os.environ, PATH="%s:%s" % (bin_dir, os.environ["PATH"]),
+  env = dict(os.environ, PATH="%s:%s" % (bin_dir, path or os.environ["PATH"]),
              VENV_ROOT=str(venvs))
   env.pop("PYTHON", None)
+  env.pop("PYTHON37", None)
   done = subprocess.run(["bash", SCRIPT] + list(envs), capture_output=True,
                         text=True, timeout=60, env=env, check=False)
   return done, venvs
@@ -93,4 +96,16 @@ def test_test_script_refuses_an_unknown_environment(tmp_path):
   done, venvs = _run_with_python(tmp_path, "3.11.7", "newer")
   assert done.returncode == 2
   assert "unknown environment 'newer'" in done.stderr
+  assert not venvs.exists()
+
+
+def test_test_script_needs_a_python_37_for_tensorflow_115(tmp_path):
+  # No pyenv and no python3.7 on this PATH.
+  done, venvs = _run_with_python(tmp_path, "3.11.7", "tf115",
+                                 path="/usr/bin:/bin")
+  assert done.returncode == 2, (done.stdout, done.stderr)
+  message = done.stderr.strip()
+  assert "needs Python 3.7 for TensorFlow 1.15" in message
+  assert "set PYTHON37" in message
+  assert done.stdout == ""
   assert not venvs.exists()
