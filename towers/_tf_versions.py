@@ -4,7 +4,7 @@ each.
 towers runs on TensorFlow 1.15 and 2.12 onwards from one code base. Where a
 public API moved or changed between them, the library calls the function
 here, which asks TensorFlow what it has (never its version number) and does
-the same thing on each. ``tests/test_tf_internals.py`` probes each function
+the same thing on each. ``tests/test_tf_versions.py`` probes each function
 on the TensorFlow it runs under; no other module of towers checks versions.
 (The private APIs towers relies on are in ``_tf_internals``.)
 """
@@ -16,7 +16,7 @@ import tensorflow.compat.v1 as tf
 
 # TensorFlow 2's collectives take their keys as inputs and honour
 # operation_timeout_in_ms; 1.15's (V1) take them as attributes and do not.
-HAS_COLLECTIVES_V2 = hasattr(tf.raw_ops, "CollectiveReduceV2")
+_HAS_COLLECTIVES_V2 = hasattr(tf.raw_ops, "CollectiveReduceV2")
 
 # 1.15's CPU collective kernels have no float16 (they fail at run time) and
 # none of them take bfloat16 (refused when the graph is built).
@@ -66,7 +66,7 @@ def variables_outside_xla() -> Iterator[None]:
   TensorFlow 1.15 compiles the ops of a resource variable made under a
   ``jit_scope`` with the model, and the session's checks then find every
   variable uninitialized (``MonitoredTrainingSession`` fails to start); 2.x
-  leaves variables alone. A variable is state, never worth compiling.
+  starts either way. A variable is state, never worth compiling.
   """
 
   def creator(next_creator, **kwargs):
@@ -78,7 +78,7 @@ def variables_outside_xla() -> Iterator[None]:
 
 
 def _widened(tensor: tf.Tensor) -> tf.Tensor:
-  if not HAS_COLLECTIVES_V2 and tensor.dtype in _V1_WIDENED:
+  if not _HAS_COLLECTIVES_V2 and tensor.dtype in _V1_WIDENED:
     return tf.cast(tensor, tf.float32)
   return tensor
 
@@ -96,7 +96,7 @@ def collective_reduce(tensor: tf.Tensor, group_size: int, group_key: int,
   cast back, which rounds once instead of at every addition.
   """
   final_op = "Div" if mean else "Id"
-  if HAS_COLLECTIVES_V2:
+  if _HAS_COLLECTIVES_V2:
     return tf.raw_ops.CollectiveReduceV2(
         input=tensor, group_size=group_size, group_key=group_key,
         instance_key=instance_key, ordering_token=[], merge_op="Add",
@@ -110,7 +110,7 @@ def collective_reduce(tensor: tf.Tensor, group_size: int, group_key: int,
 def collective_gather(tensor: tf.Tensor, group_size: int, group_key: int,
                       instance_key: int) -> tf.Tensor:
   """One member's concatenation of every member's `tensor` along axis 0."""
-  if HAS_COLLECTIVES_V2:
+  if _HAS_COLLECTIVES_V2:
     return tf.raw_ops.CollectiveGatherV2(
         input=tensor, group_size=group_size, group_key=group_key,
         instance_key=instance_key, ordering_token=[],
@@ -124,7 +124,7 @@ def collective_gather(tensor: tf.Tensor, group_size: int, group_key: int,
 def broadcast_send(tensor: tf.Tensor, group_size: int, group_key: int,
                    instance_key: int) -> tf.Tensor:
   """The sender's side of a broadcast of `tensor` (of a static shape)."""
-  if HAS_COLLECTIVES_V2:
+  if _HAS_COLLECTIVES_V2:
     return tf.raw_ops.CollectiveBcastSendV2(
         input=tensor, group_size=group_size, group_key=group_key,
         instance_key=instance_key, communication_hint="auto")
@@ -137,7 +137,7 @@ def broadcast_send(tensor: tf.Tensor, group_size: int, group_key: int,
 def broadcast_recv(dtype: tf.DType, shape: Sequence[int], group_size: int,
                    group_key: int, instance_key: int) -> tf.Tensor:
   """A receiver's side of a broadcast: the sender's tensor."""
-  if HAS_COLLECTIVES_V2:
+  if _HAS_COLLECTIVES_V2:
     return tf.raw_ops.CollectiveBcastRecvV2(
         group_size=group_size, group_key=group_key,
         instance_key=instance_key, shape=list(shape), T=dtype,
@@ -151,7 +151,7 @@ def broadcast_recv(dtype: tf.DType, shape: Sequence[int], group_size: int,
 def collectives_time_out() -> bool:
   """Whether a collective whose peer never comes fails under the session's
   ``operation_timeout_in_ms`` (2.x), rather than waiting forever (1.15)."""
-  return HAS_COLLECTIVES_V2
+  return _HAS_COLLECTIVES_V2
 
 
 def describe() -> str:
