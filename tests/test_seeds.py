@@ -102,3 +102,27 @@ def test_tower_seeds_leave_other_graphs_alone():
     towers.build_towers(model_fn, tf.train.GradientDescentOptimizer(0.1), 2,
                         inputs=(x, y), devices=models.devices(2))
   assert seen == [want, want]
+
+
+def _layers_model(scope, x, y):
+  del scope
+  hidden = tf.layers.dense(x, 8, activation=tf.nn.relu, name="hidden")
+  logits = tf.layers.dense(hidden, models.CLASSES, name="logits")
+  return tf.losses.sparse_softmax_cross_entropy(y, logits)
+
+
+@pytest.mark.parametrize("variable_device", ["/cpu:0", "replicated"])
+def test_a_seeded_tf_layers_model_starts_as_on_one_device(variable_device):
+  try:
+    with tf.Graph().as_default():
+      tf.layers.dense(tf.zeros([1, 1]), 1)
+  except AttributeError as e:  # Keras 3 without TF_USE_LEGACY_KERAS
+    pytest.skip("tf.compat.v1.layers is not available here: %s" % e)
+  want = _initial_values(lambda x, y: _layers_model("", x, y))
+  got = _initial_values(lambda x, y: towers.build_towers(
+      _layers_model, tf.train.GradientDescentOptimizer(0.1), 2,
+      inputs=(x, y), devices=models.devices(2),
+      variable_device=variable_device))
+  assert len(want) == 4
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
