@@ -137,9 +137,15 @@ run_lane() {  # run_lane LANE ; its pytest runs, one after another
     echo "== lane $lane: $py -m pytest $*"
     # A bound on the whole run: a test that hangs (TensorFlow 1.15's
     # collectives ignore timeouts) fails it instead of stalling CI.
+    local xml="$reports/lane-$lane-$n.xml"
     timeout --kill-after=60 "${RUN_TIMEOUT_SECS:-2700}" \
-      "$py" -m pytest --junitxml="$reports/lane-$lane-$n.xml" "$@" \
-      || touch "$reports/lane-failed"
+      "$py" -m pytest --junitxml="$xml" "$@" || touch "$reports/lane-failed"
+    if [ ! -e "$xml" ]; then  # timed out or died: one failure in the count
+      echo "== lane $lane: pytest ended without a report"
+      cat > "$xml" <<XML
+<testsuite name="lanes" tests="1" failures="1" errors="0" skipped="0"><testcase classname="lanes" name="lane $lane run $n"/></testsuite>
+XML
+    fi
   done < "$reports/lane-$lane.jobs"
 }
 
