@@ -119,6 +119,12 @@ def test_a_seeded_tf_layers_model_starts_as_on_one_device(variable_device):
   except AttributeError as e:  # Keras 3 without TF_USE_LEGACY_KERAS
     pytest.skip("tf.compat.v1.layers is not available here: %s" % e)
   want = _initial_values(lambda x, y: _layers_model("", x, y))
+  again = _initial_values(lambda x, y: _layers_model("", x, y))
+  if any(not np.array_equal(want[k], again[k]) for k in want):
+    # TensorFlow 2.12's Keras under resource variables seeds these layers
+    # itself: one device's program is not reproducible either.
+    pytest.skip("tf.compat.v1.layers ignores the graph seed here: two "
+                "one-device graphs start from other values")
   got = _initial_values(lambda x, y: towers.build_towers(
       _layers_model, tf.train.GradientDescentOptimizer(0.1), 2,
       inputs=(x, y), devices=models.devices(2),
