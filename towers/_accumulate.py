@@ -106,8 +106,10 @@ def accumulate_gradients(towers, apply_fn: ApplyFn,
                                  list(towers.losses)):
       for i, tower in enumerate(accumulators):
         with tf.device(towers.devices[i]):
-          factor = tf.cast(weights[i], tf.float32) * towers.batch_size \
-              if sized else None
+          # The tower's examples, a whole number: float64 weights times
+          # the batch, rounded, whatever the gradients' dtype.
+          factor = tf.round(tf.cast(weights[i], tf.float64) * tf.cast(
+              towers.batch_size, tf.float64)) if sized else None
         for accumulator in tower:
           adds.extend(accumulator.add(factor))
       if examples is not None:
@@ -119,7 +121,7 @@ def accumulate_gradients(towers, apply_fn: ApplyFn,
     def apply() -> tf.Tensor:
       if examples is not None:
         with tf.device(home):
-          share = 1.0 / _read(examples)
+          share = 1.0 / tf.cast(_read(examples), tf.float64)
         scale, apply_weights = None, [share] * len(weights)
       else:
         scale, apply_weights = 1.0 / steps, weights

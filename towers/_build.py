@@ -35,7 +35,7 @@ updates are dicts by loss: ``tower_grads["d"]``, ``loss["g"]``):
   tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
     ``opt.compute_gradients`` result.
   weights: ``[num_towers]`` shares of the global batch, Python floats or
-    scalar float32 tensors, summing to 1.
+    scalar float64 tensors (cast to each gradient's dtype), summing to 1.
   scopes: ``[num_towers]`` name scopes, such as ``'tower_0/'``.
   devices: ``[num_towers]`` device strings the towers were built on.
   summaries: the final tower's ``SUMMARIES`` (as the original keeps).

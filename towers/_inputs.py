@@ -139,9 +139,7 @@ def _dynamic_sizes(tensors, num_shards, allow_empty):
   base = batch // num_shards
   extra = batch % num_shards
   sizes = base + tf.cast(tf.range(num_shards) < extra, tf.int32)
-  total = tf.cast(batch, tf.float32)
-  weights = [tf.cast(sizes[i], tf.float32) / total for i in range(num_shards)]
-  return sizes, weights
+  return sizes, _ratios([sizes[i] for i in range(num_shards)])
 
 
 def size_weights(sizes: List[Optional[Weight]]) -> List[Weight]:
@@ -160,7 +158,14 @@ def size_weights(sizes: List[Optional[Weight]]) -> List[Weight]:
     if total == 0:
       return [1.0 / num] * num
     return [s / total for s in static]
-  counts = [tf.cast(s, tf.float32) for s in sizes]
+  return _ratios(sizes)
+
+
+def _ratios(counts: Sequence[object]) -> List[tf.Tensor]:
+  """Each of `counts` (scalar tensors) over their sum, in float64: cast to
+  a gradient's dtype, a share is that dtype's nearest to the exact ratio,
+  float64 gradients' included."""
+  counts = [tf.cast(c, tf.float64) for c in counts]
   total = tf.add_n(counts)
   return [c / total for c in counts]
 
