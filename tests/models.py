@@ -115,6 +115,13 @@ def assert_gradients_close(got, want):
                                err_msg=name)
 
 
+def state_variables():
+  """The graph's global and local variables, without the flags that say
+  whether the replicated copies have been set from copy 0 (not state)."""
+  return [v for v in tf.global_variables() + tf.local_variables()
+          if not v.op.name.split("/")[-1].startswith("copies_are_set")]
+
+
 def copies_gap(sess, values):
   """The largest difference of a replicated copy from copy 0, given copy
   0's `values` ({name: value} of the global variables)."""

@@ -12,6 +12,7 @@ import tensorflow.compat.v1 as tf
 
 import towers
 from models import batch, config as _config, devices, loss_fn
+from models import state_variables
 
 MODES = {
     "cpu": {"variable_device": "cpu"},
@@ -131,7 +132,7 @@ def _by_hand(make_opt, mode, x, y, save=None, restore=None, num=2):
       if save:
         saver.save(sess, save)
       values = {v.op.name: sess.run(v)
-                for v in tf.global_variables() + tf.local_variables()}
+                for v in state_variables()}
       return history, values
 
 
@@ -267,7 +268,7 @@ def _steps(train_op, steps, num):
     for _ in range(steps):
       sess.run(train_op)
     return {v.op.name: sess.run(v)
-            for v in tf.global_variables() + tf.local_variables()}
+            for v in state_variables()}
 
 
 def test_a_side_effect_on_the_gradients_runs_once_and_every_copy_reads_it():

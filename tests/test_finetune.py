@@ -17,6 +17,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from models import state_variables
 
 IN, HIDDEN, PRETRAIN_CLASSES, CLASSES = 6, 5, 4, 3
 NUM_TOWERS, BATCH, STEPS = 2, 8, 3
@@ -208,7 +209,7 @@ def _towers(kwargs):
 
 def _values(sess):
   return {v.op.name: sess.run(v)
-          for v in tf.global_variables() + tf.local_variables()}
+          for v in state_variables()}
 
 
 def _assert_holds(values, want, names, kwargs):

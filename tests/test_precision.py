@@ -62,8 +62,6 @@ def initialize(sess):
   sess.run(tf.local_variables_initializer())
 
 
-def all_variables():
-  return tf.global_variables() + tf.local_variables()
 
 
 @pytest.mark.parametrize("variable_device", ["cpu", "replicated"])
@@ -74,7 +72,7 @@ def test_half_towers_train_on_float32_master_weights(dtype, variable_device):
     trainable = tf.trainable_variables()
     assert sorted(v.op.name for v in trainable) == [
         "hidden/b", "hidden/w", "logits/b", "logits/w"]
-    assert {v.dtype.base_dtype for v in all_variables()
+    assert {v.dtype.base_dtype for v in models.state_variables()
             if v is not global_step} == {tf.float32}
     # The towers compute in the half dtype: every matmul is a half one.
     matmuls = [op for op in g.get_operations() if op.type == "MatMul"
@@ -100,7 +98,7 @@ def test_overflow_step_changes_nothing_and_halves_the_scale(variable_device):
     train_op, t, global_step = build("float16",
                                      variable_device=variable_device,
                                      boost=boost)
-    state = all_variables()
+    state = models.state_variables()
     scale_var = [v for v in state if v.op.name == "loss_scale"]
     assert len(scale_var) == 1
     if variable_device == "replicated":

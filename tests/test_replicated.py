@@ -169,8 +169,14 @@ def test_copies_live_on_their_towers_and_keep_out_of_checkpoints():
                                          for n in initial_values()])
     assert sorted(v.op.name for v in tf.trainable_variables()) == sorted(
         initial_values())
-    copies = tf.local_variables()
+    copies = [v for v in tf.local_variables()
+              if v.op.name.startswith("replica_")]
     assert len(copies) == 2 * 2 * len(initial_values())  # values and slots
+    # The rest say whether the copies have been set from copy 0: the towers'
+    # and the update's.
+    flags = [v for v in tf.local_variables() if v not in copies]
+    assert [(v.dtype.base_dtype, v.device) for v in flags] == [
+        (tf.bool, "/device:CPU:0")] * 2
     for var in copies:
       index = int(var.op.name.split("/")[0][len("replica_"):])
       assert var.device == "/device:CPU:%d" % index, var.op.name
@@ -284,7 +290,8 @@ def test_partial_fetches_return(fetch):
         # One device's output of a collective: it must pull the whole
         # group, or it would wait for peers that never run.
         "averaged_gradient": t.grads_and_vars[0][0],
-        "last_copy": tf.local_variables()[-1],
+        "last_copy": [v for v in tf.local_variables()
+                      if v.op.name.startswith("replica_")][-1],
     }[fetch]
     with tf.Session(config=_config(3)) as sess:
       _init(sess)
@@ -416,11 +423,16 @@ def test_infer_after_training_towers_reuses_the_copies():
     towers.minimize(model_fn(), OPTIMIZERS["momentum"](), 2,
                     inputs=(tf.constant(x), tf.constant(y)),
                     devices=devices(2), variable_device="replicated")
-    before = len(tf.local_variables())
+
+    def copies():
+      return [v for v in tf.local_variables()
+              if v.op.name.startswith("replica_")]
+
+    before = copies()
     outputs = towers.infer(lambda scope, x: tf.reduce_sum(x, 1), 2,
                            inputs=tf.constant(x), devices=devices(2),
                            variable_device="replicated")
-    assert len(tf.local_variables()) == before
+    assert copies() == before
     with tf.Session(config=_config(2)) as sess:
       _init(sess)
       np.testing.assert_allclose(sess.run(outputs), x.sum(1), rtol=1e-6)

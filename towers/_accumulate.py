@@ -33,6 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import tensorflow.compat.v1 as tf
 
 from towers import _copies
+from towers import _devices
 from towers import _gradients
 from towers import _regularization
 from towers import _shares
@@ -87,7 +88,7 @@ def accumulate_gradients(towers, apply_fn: ApplyFn,
   # Weights known only at run time: micro-batches may differ in size.
   sized = towers.batch_size is not None and not all(
       isinstance(w, numbers.Real) for w in weights)
-  home = _cpu_of(towers.devices[0])
+  home = _devices.host(towers.devices[0])
   outer = _tf_versions.name_scope(tf.get_default_graph())
   with tf.name_scope("accumulate_gradients"):
     with tf.device(home):
@@ -307,9 +308,3 @@ def _own_device(device: str, tower_device: str) -> str:
       tower.job, tower.replica, tower.task):
     return tower_device
   return device
-
-
-def _cpu_of(device: str) -> str:
-  """The CPU of `device`'s task: where the counter lives."""
-  spec = tf.DeviceSpec.from_string(device)
-  return spec.replace(device_type="CPU", device_index=0).to_string()

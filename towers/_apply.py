@@ -24,10 +24,12 @@ from typing import Callable, Dict, Iterator, List, Optional
 import tensorflow.compat.v1 as tf
 
 from towers import _copies
+from towers import _devices
 from towers import _gradients
 from towers import _placement
 from towers import _reduction
 from towers import _replay
+from towers import _startup
 
 # Where a routed apply_gradients keeps the optimizer's own.
 _ORIGINAL = "_towers_original_apply_gradients"
@@ -121,8 +123,26 @@ def original_apply(opt: tf.train.Optimizer) -> Callable[..., tf.Operation]:
   return getattr(opt.apply_gradients, _ORIGINAL, opt.apply_gradients)
 
 
+@contextlib.contextmanager
+def copies_set(grads_and_vars: _gradients.GradsAndVars) -> Iterator[None]:
+  """Around the update of `grads_and_vars`' variables and their copies: at
+  the first step, what it builds waits for their copies and the slots it
+  makes to be set from copy 0 (a restore may have changed copy 0 since)."""
+  pairs = _checked(grads_and_vars)
+  copies = [(c, v) for _, v in pairs for c in _copies.copies_of(v)]
+  if not copies:
+    yield
+    return
+  start = _startup.Start()
+  with start.gated():
+    yield
+  start.finish(_devices.host(pairs[0][1].device), copies + start.made())
+
+
 def _apply(original, grads_and_vars, global_step, name) -> tf.Operation:
-  return apply_per_copy(original, per_copy(grads_and_vars), global_step, name)
+  pairs = _checked(grads_and_vars)  # Once: it may be an iterator.
+  with copies_set(pairs):
+    return apply_per_copy(original, per_copy(pairs), global_step, name)
 
 
 def _checked(grads_and_vars) -> _gradients.GradsAndVars:

@@ -4,10 +4,10 @@ Copy 0 is the variable tower 0 creates, with its single-device name, on tower
 0's device: the only copy saved, so checkpoints are the single-device ones.
 Tower ``i > 0`` reads copy ``i``, named ``replica_<i>/<name>``, on its own
 device: a local variable (``LOCAL_VARIABLES`` only, so not saved, not
-trainable) whose initializer reads copy 0. The local init op, which
-``tf.train.MonitoredTrainingSession`` runs after initializing *or* restoring
-the global variables, therefore sets every copy from copy 0; so do the copies'
-optimizer slots, made local the same way when `minimize` applies the step.
+trainable), initialized from copy 0 where it is set (else zeros), and set
+from copy 0 again at the first step after the local init op (`_startup`),
+whatever the order of the initializers and a restore; so are the copies'
+optimizer slots, made local the same way when the step is applied.
 
 Only trainable variables are copied. Batch-norm moving statistics and other
 non-trainable variables keep one copy (tower 0's, updated by tower 0's update
@@ -23,7 +23,7 @@ are made to read copy ``i`` instead (`read_copies`).
 
 import contextlib
 import functools
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import tensorflow.compat.v1 as tf
 
@@ -85,15 +85,11 @@ def _copy(next_getter, primary: tf.Variable, index: int,
   if existing is not None:
     return existing
 
-  def initializer(*_, **__):
-    # Copy 0's current value: after initialization or a restore, the local
-    # init op sets every copy from it (one read, or a ref's snapshot).
-    return tf.convert_to_tensor(primary)
-
   with tf.device(device):
     copy = next_getter(
         PREFIX % index + primary.op.name, shape=primary.shape,
-        dtype=primary.dtype.base_dtype, initializer=initializer,
+        dtype=primary.dtype.base_dtype,
+        initializer=lambda *_, **__: _value_or_zeros(primary),
         regularizer=None, trainable=False, reuse=tf.AUTO_REUSE,
         collections=[tf.GraphKeys.LOCAL_VARIABLES], partitioner=None,
         caching_device=None, validate_shape=True,
@@ -103,6 +99,19 @@ def _copy(next_getter, primary: tf.Variable, index: int,
   state.copy_of[(primary.op.name, index)] = copy
   state.sources.append((copy, primary))
   return copy
+
+
+def _value_or_zeros(source: tf.Variable) -> tf.Tensor:
+  """`source`'s value if it is set, else zeros: a copy's initial value.
+
+  The local init op usually runs after the global one, and the copies then
+  start equal to copy 0; run in one ``sess.run``, it may come first, and
+  the first step sets the copies anyway (`_startup`).
+  """
+  return _tf_internals.cond_v1(
+      tf.is_variable_initialized(source), source.read_value,
+      lambda: tf.zeros(source.shape, source.dtype.base_dtype),
+      name="value_or_zeros")
 
 
 def read_copies(index: int, device: str, scope: str,
@@ -136,6 +145,15 @@ def _get_variable(name: str, reuse=None, **kwargs) -> tf.Variable:
   with tf.variable_scope(tf.VariableScope(tf.AUTO_REUSE),
                          auxiliary_name_scope=False):
     return tf.get_variable(name, **kwargs)
+
+
+def of_towers(indices: Iterable[int]) -> List[Tuple[tf.Variable, tf.Variable]]:
+  """Every copy ``(copy, copy 0)`` of a variable that towers `indices` have,
+  in the order they were made."""
+  wanted = set(indices)
+  state = _state.of()
+  return [(copy, state.primary_of[copy.op.name][0])
+          for (_, index), copy in state.copy_of.items() if index in wanted]
 
 
 def copies_of(var: tf.Variable) -> List[tf.Variable]:
@@ -241,8 +259,9 @@ def local_slots() -> Iterator[None]:
   """Makes the copies' optimizer slots local, set from copy 0's slots.
 
   Around ``opt.apply_gradients``: a slot of copy ``i`` (``replica_i/<var>/
-  <slot>``) joins ``LOCAL_VARIABLES`` only and starts from copy 0's slot
-  ``<var>/<slot>``, created first because copy 0's pairs come first.
+  <slot>``) joins ``LOCAL_VARIABLES`` only and is set from copy 0's slot
+  ``<var>/<slot>`` (created first because copy 0's pairs come first) as a
+  copy is (`_value_or_zeros`, `_startup`).
   """
   graph = tf.get_default_graph()
   state = _state.of(graph)
@@ -275,7 +294,7 @@ def local_slots() -> Iterator[None]:
             "0 has no %s; apply copy 0's pairs (average_gradients' result) "
             "with opt.apply_gradients or towers.apply_gradients, once per "
             "step" % (name, slot_name))
-      kwargs["initial_value"] = functools.partial(tf.convert_to_tensor, slot)
+      kwargs["initial_value"] = functools.partial(_value_or_zeros, slot)
       kwargs["collections"] = [tf.GraphKeys.LOCAL_VARIABLES]
       kwargs["trainable"] = False
       made = next_creator(**kwargs)

@@ -33,6 +33,12 @@ def canonical(device: str) -> str:
   return spec.replace(device_type=(spec.device_type or "").upper()).to_string()
 
 
+def host(device: str) -> str:
+  """The CPU of `device`'s task."""
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
 def virtual_cpu_config(num_cpus: int, **config_kwargs) -> tf.ConfigProto:
   """Returns a session config with `num_cpus` virtual CPU devices.
 

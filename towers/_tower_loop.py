@@ -23,6 +23,7 @@ from towers import _precision
 from towers import _reduction
 from towers import _regularization_view
 from towers import _staging
+from towers import _startup
 from towers import _tf_internals
 from towers import _tf_versions
 
@@ -106,6 +107,8 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
       weights is None or _reduction.is_uniform(weights)), device_check=check,
                                 all_reduce=all_reduce)
   start = _tf_internals.last_op_id()
+  # A replicated tower reads its copies once they are set from copy 0.
+  copies_start = _startup.Start() if replicated else None
   results, batches, sizes = [], [], []
   scopes: List[str] = []
   # The regularization losses each tower added.
@@ -133,9 +136,11 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
       first = (scopes[0], added[0]) if i > 0 else ()
       seeds = _tf_internals.op_seeds_as_if_alone(first_op) if i == 0 \
           else contextlib.nullcontext()
+      gated = copies_start.gated() if copies_start and i > 0 \
+          else contextlib.nullcontext()
       with tower_set.tower(i, scope, share), \
           _precision.master_weights(compute_dtype), \
-          _regularization_view.tower(scope, *first) as kept, seeds:
+          _regularization_view.tower(scope, *first) as kept, seeds, gated:
         results.append(tower_fn(i, scope, batch, check))
       added.append(kept)
       if i > 0 and len(trainable) > known:
@@ -143,6 +148,9 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
     scopes.append(scope)
     batches.append(batch)
   tower_set.finish(start)
+  if copies_start:
+    copies_start.finish(_devices.host(devices[0]),
+                        _copies.of_towers(range(1, num_towers)))
   if weights is None:
     weights = _inputs.size_weights(sizes) if sized else [
         1.0 / num_towers] * num_towers

@@ -155,14 +155,15 @@ class _Step:
     self.applied = grads
     # What apply_gradients does, with every copy's gradients built before a
     # loss scale's condition, so that only the update is conditional.
-    groups = _apply.per_copy(grads)
+    with _apply.copies_set(grads):
+      groups = _apply.per_copy(grads)
 
-    def apply() -> tf.Operation:
-      return _apply.apply_per_copy(_apply.original_apply(self._opt), groups,
-                                   self._global_step, None)
+      def apply() -> tf.Operation:
+        return _apply.apply_per_copy(_apply.original_apply(self._opt),
+                                     groups, self._global_step, None)
 
-    return apply() if self._scale is None else self._scale.apply(finite,
-                                                                 apply)
+      return apply() if self._scale is None else self._scale.apply(finite,
+                                                                   apply)
 
 
 def _clip_by_global_norm(grads_and_vars: _gradients.GradsAndVars,
