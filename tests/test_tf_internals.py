@@ -381,6 +381,23 @@ def _private_uses(path):
   return found
 
 
+def test_queue_runner_makes_a_runner_that_fills_its_queue():
+  with tf.Graph().as_default():
+    queue = tf.FIFOQueue(4, [tf.int32], shapes=[[]])
+    runner = _tf_internals.queue_runner(queue, [queue.enqueue(7)])
+    assert isinstance(runner, tf.train.QueueRunner)
+    assert runner.queue is queue and len(runner.enqueue_ops) == 1
+    with pytest.raises(ValueError, match="enqueue_ops"):
+      _tf_internals.queue_runner(queue, [])
+    with tf.Session() as sess:
+      coordinator = tf.train.Coordinator()
+      threads = runner.create_threads(sess, coord=coordinator, start=True)
+      assert sess.run(queue.dequeue()) == 7
+      coordinator.request_stop()
+      sess.run(queue.close(cancel_pending_enqueues=True))
+      coordinator.join(threads)
+
+
 def test_no_other_module_reaches_into_tensorflow_internals():
   paths = sorted(glob.glob(os.path.join(ROOT, "towers", "**", "*.py"),
                            recursive=True))

@@ -330,7 +330,10 @@ def _add_updates(moving_mean, moving_variance, mean, variance, count,
     value = _shaped(value, var.shape.as_list())
 
     def assign(var=var, value=value):
-      with tf.name_scope("AssignMovingAvg"), tf.colocate_with(var):
+      # Next to the variable, as tf.layers' update is (the graph's
+      # colocate_with: tf.colocate_with, which wraps it, is deprecated).
+      with tf.name_scope("AssignMovingAvg"), \
+          tf.get_default_graph().colocate_with(var):
         decay = tf.constant(1.0 - momentum, var.dtype.base_dtype)
         delta = (tf.convert_to_tensor(var) - value) * decay
         return tf.identity(tf.assign_sub(var, delta))

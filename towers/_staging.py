@@ -27,6 +27,7 @@ from typing import List, Sequence
 import tensorflow.compat.v1 as tf
 
 from towers import _graph
+from towers import _tf_internals
 
 CAPACITY = 1
 
@@ -70,7 +71,9 @@ def stage(batches: Sequence[List[object]], devices: Sequence[str],
   with tf.name_scope(staging), tf.device(host):
     with tf.control_dependencies(puts):
       enqueue = tokens.enqueue(tf.constant(0))
-    tf.train.add_queue_runner(tf.train.QueueRunner(tokens, [enqueue]))
+    # What the deprecated tf.train.add_queue_runner does.
+    tf.add_to_collection(tf.GraphKeys.QUEUE_RUNNERS,
+                         _tf_internals.queue_runner(tokens, [enqueue]))
     token = tokens.dequeue()
   staged = []
   for i, (device, scope, tensors) in enumerate(zip(devices, scopes, flat)):

@@ -210,6 +210,23 @@ def install_collection(graph: tf.Graph, key: str, items: list) -> None:
   graph._collections[key] = items  # pylint: disable=protected-access
 
 
+def queue_runner(queue: tf.QueueBase,
+                 enqueue_ops: List[tf.Operation]) -> tf.train.QueueRunner:
+  """``tf.train.QueueRunner(queue, enqueue_ops)``, without its deprecation.
+
+  TensorFlow deprecates queue runners in favour of ``tf.data``, but staging
+  needs one (the background reader ``MonitoredTrainingSession`` starts), and
+  the advice is not for its users, whose input may be ``tf.data``'s already.
+  Relies on the deprecation wrapper of ``QueueRunner.__init__`` keeping the
+  constructor as ``__wrapped__`` (as ``functools.wraps`` does): called
+  directly, it logs nothing and marks nothing, so a queue runner the user
+  makes still warns. Checked on TensorFlow 1.15.5 and 2.21.0.
+  """
+  runner = tf.train.QueueRunner.__new__(tf.train.QueueRunner)
+  tf.train.QueueRunner.__init__.__wrapped__(runner, queue, enqueue_ops)
+  return runner
+
+
 # What `op_seeds_as_if_alone` needs: TensorFlow's own get_seed, the calls under
 # way (by thread: the graph and how many ops to leave out) and how many.
 _GET_SEED = random_seed.get_seed
