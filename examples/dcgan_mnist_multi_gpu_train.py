@@ -146,7 +146,11 @@ def train(*, train_dir, data_dir=None, dataset="mnist", num_gpus=2,
     path = os.path.join(train_dir, "generated.png")
     with tf.io.gfile.GFile(path, "wb") as f:
       f.write(png)
-    logging.info("Wrote %d generated digits to %s", GRID * GRID, path)
+    if fake_data:  # Random pixels: the generator learns noise.
+      logging.info("Wrote %d generated samples (fake data: noise by design) "
+                   "to %s", GRID * GRID, path)
+    else:
+      logging.info("Wrote %d generated digits to %s", GRID * GRID, path)
     return step
 
 

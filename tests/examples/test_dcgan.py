@@ -48,4 +48,5 @@ def test_the_dcgan_trains_200_steps_and_writes_its_grid_of_digits(tmp_path):
           scalars.add(value.tag)
   assert images[200] == ("generated/image", 224, 224), images
   assert {"loss/d", "loss/g"} <= scalars
-  assert "Wrote 64 generated digits to " + train_dir in done.stderr
+  assert ("Wrote 64 generated samples (fake data: noise by design) to " +
+          train_dir) in done.stderr
