@@ -48,7 +48,11 @@ def _towers(x, y, num, mode, path):
     py = tf.placeholder(tf.int32, (None,))
     opt = tf.train.GradientDescentOptimizer(0.1)
     kwargs = dict(inputs=(px, py), devices=devices(num), variable_device=mode)
-    model_fn = lambda scope, x, y: _loss(x, y)
+
+    def model_fn(scope, x, y):
+      del scope
+      return _loss(x, y)
+
     if path == "minimize":
       _, t = towers.minimize(model_fn, opt, num, **kwargs)
       averaged = t.grads_and_vars
