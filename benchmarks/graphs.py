@@ -108,7 +108,8 @@ class GraphStep:
                num_towers: int, batch: np.ndarray, labels: np.ndarray,
                num_devices: int, pack_bytes: Optional[int] = None, *,
                minimize_kwargs: Optional[Dict[str, object]] = None,
-               dataset: bool = False):
+               dataset: bool = False,
+               rewrite: Optional[Callable[[tf.Graph], None]] = None):
     """Builds the variant's training step in a graph of its own.
 
     Initializes the global variables, then the local ones (the replicated
@@ -131,6 +132,9 @@ class GraphStep:
       dataset: read the batch through ``tf.data`` (`_dataset_on_cpu`): each
         tower calls the iterator's ``get_next``. Only for a variant in
         `MINIMIZED`, whose towers then take their batch size from it.
+      rewrite: called with the graph once the step is built, before its ops
+        are counted and its initializers made: a twin's change to the same
+        graph (`benchmarks.startup`).
 
     Raises:
       ValueError: if `variant` is not a graph variant, `pack_bytes` is
@@ -158,6 +162,8 @@ class GraphStep:
       train_op = _build(workload, variant, devices, inputs,
                         pack_bytes=pack_bytes,
                         minimize_kwargs=minimize_kwargs)
+      if rewrite is not None:
+        rewrite(self._graph)
       # What the towers read, for the traffic's input bytes: the batch's
       # variables, or what the iterator hands the towers.
       data = inputs if not dataset else [
@@ -185,7 +191,8 @@ class GraphStep:
     self._coordinator, self._threads = None, []
     try:
       self._session.run(init)
-      # Apart: the copies' initializers read copy 0, which must be set first.
+      # Apart, so the copies start equal to copy 0 (the first step would set
+      # them anyway).
       self._session.run(local_init)
       if queue_runners:
         self._coordinator = tf.train.Coordinator()
@@ -223,6 +230,17 @@ class GraphStep:
       self._session.run(self._train_op, options=self._options)
       times.append(time.perf_counter() - start)
     return times
+
+  def traced_step(self) -> tf.RunMetadata:
+    """Runs one step with a full trace; returns its ``RunMetadata``, whose
+    ``step_stats`` list every node the step ran."""
+    options = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE)
+    if self._options is not None:
+      options.MergeFrom(self._options)
+    run_metadata = tf.RunMetadata()
+    self._session.run(self._train_op, options=options,
+                      run_metadata=run_metadata)
+    return run_metadata
 
   def close(self) -> None:
     """Stops the queue runners, if any, then closes the session."""

@@ -78,6 +78,12 @@ STAGED_MIN_TOWERS = 2
 ACCUMULATION_SPEED_RATIO = 0.95
 # The bytes ratio's tolerance: float rounding of a ratio of exact counts.
 ACCUMULATION_BYTES_REL_TOL = 1e-9
+# The replicated copies' start-up check (`benchmarks.startup`), at every
+# all-reduce and tower count: the gated step against its ungated twin costs
+# nothing measurable. Met unless the gated step is both measurably slower
+# (the 95% interval of the step-time ratio above 1.0) and more than 1%
+# slower (the medians' ratio above this).
+STARTUP_RATIO = 1.01
 # The process peak (resident memory) must see at least this share of the
 # tensors the step allocates at once; below it, resident memory does not
 # follow the tensors on this machine, and the measure is unavailable.
@@ -415,6 +421,20 @@ def accumulation_targets(section: Dict[str, object]) -> None:
                               ACCUMULATION_SPEED_RATIO))]
 
 
+def startup_targets(section: Dict[str, object]) -> None:
+  """Adds the start-up check's target to each row in place: the gated
+  step time over the ungated one at most `STARTUP_RATIO`, or within noise
+  of 1.0 (its 95% bootstrap interval holds 1.0)."""
+  for row in section["rows"]:
+    ratio = row["step_time_ratio"]
+    low, high = row["ratio_interval"]
+    row["targets"] = [_target(
+        "start-up check costs nothing measurable (gated/ungated step time "
+        "<= %.2fx, or its interval holds 1.0)" % STARTUP_RATIO,
+        ratio <= STARTUP_RATIO or low <= 1.0 <= high,
+        _ratio_detail(ratio, (low, high), 1.0))]
+
+
 def add_targets(results: Dict[str, object]) -> None:
   """Gives every target its verdict, or none in a quick run.
 
@@ -427,12 +447,14 @@ def add_targets(results: Dict[str, object]) -> None:
   bn_rows = (results.get("batch_norm") or {}).get("rows", [])
   staging = results.get("fast_paths", {}).get("staging", {}).get("rows", [])
   accumulation = results.get("accumulation")
+  startup_rows = (results.get("startup") or {}).get("rows", [])
   if results.get("quick"):
     sections = [row for workload in results["throughput"]
                 for row in workload["rows"]] + [
                     s for s in (averaging, build, large) if s] + staging
     sections += bn_rows
     sections += (accumulation or {}).get("comparisons", [])
+    sections += startup_rows
     for section in sections:
       section["targets"] = []
   else:
@@ -451,6 +473,8 @@ def add_targets(results: Dict[str, object]) -> None:
       fast_paths_targets(results["fast_paths"])
     if accumulation:
       accumulation_targets(accumulation)
+    if results.get("startup"):
+      startup_targets(results["startup"])
   results["targets"] = summary(results)
 
 
@@ -987,6 +1011,73 @@ def accumulation_markdown(results: Dict[str, object]) -> List[str]:
   return lines
 
 
+def _ms(side: Dict[str, object]) -> str:
+  """A step's median and quartiles in ms: ``"41.2 [40.8, 42.0]"``."""
+  return "%.1f [%.1f, %.1f]" % (1e3 * side["median_step_sec"],
+                                1e3 * side["q1_step_sec"],
+                                1e3 * side["q3_step_sec"])
+
+
+def startup_markdown(results: Dict[str, object]) -> List[str]:
+  """Returns the start-up check's table: gated against ungated."""
+  section = results.get("startup")
+  if not section:
+    return []
+  quick = results.get("quick")
+  lines = [
+      "### Replicated start-up check: gated against ungated, %s, global "
+      "batch %d%s" % (section["title"], section["global_batch"],
+                      " (quick run)" if quick else ""), "",
+      "towers.minimize(..., variable_device='replicated') as built "
+      "(gated: each tower but the first, and the update of the copies, "
+      "wait for a no-op gate that waits for a cond on the host reading a "
+      "local flag; at the first step after the local init op it sets "
+      "every copy from copy 0, at every later one it takes its empty "
+      "branch) against its ungated twin: the same graph with the gates' "
+      "control inputs removed, so that the cond never runs. Timed in the "
+      "same rounds, every step after the first. Step time ratio: the "
+      "gated median over the ungated one, with its 95%% bootstrap "
+      "interval; target: the gated step not both measurably slower (the "
+      "interval above 1.0) and more than %.0f%% slower (the ratio above "
+      "%.2f). Nodes: what a traced step after the first ran "
+      "(sends and receives included), gated / ungated (added), and of "
+      "those the start-up cond's. Bytes: every byte between devices per "
+      "step (parameters, input, others; counted as in every step after "
+      "the first: the setting branch's sends carry no data then), gated / "
+      "ungated, and the difference, the start-up's: the flag (a bool) to "
+      "the copies' devices." % (100 * (STARTUP_RATIO - 1), STARTUP_RATIO),
+      "",
+      "| all_reduce | towers | gated step ms (median [q1, q3]) | ungated "
+      "step ms (median [q1, q3]) | gated / ungated step time | nodes per "
+      "step, gated / ungated (added) | start-up nodes, gated / ungated | "
+      "bytes per step, gated / ungated (start-up's) | control edges, gated "
+      "/ ungated |" + ("" if quick else " targets |"),
+      "|---|---:|---:|---:|---:|---|---|---|---|" + ("" if quick else
+                                                      "---|")]
+  for row in section["rows"]:
+    gated, ungated = row["gated"], row["ungated"]
+    line = ("| %s | %d | %s | %s | %s | %d / %d (%+d) | %d / %d | %d / %d "
+            "(%+d) | %d / %d |" % (
+                row["all_reduce"], row["num_towers"], _ms(gated),
+                _ms(ungated), _interval(row["step_time_ratio"],
+                                        row["ratio_interval"]),
+                gated["nodes_per_step"], ungated["nodes_per_step"],
+                row["nodes_added"], gated["startup_nodes"],
+                ungated["startup_nodes"], gated["bytes_per_step"],
+                ungated["bytes_per_step"], row["startup_bytes"],
+                gated["control_edges"], ungated["control_edges"]))
+    if not quick:
+      line += " %s |" % _met(row.get("targets", []))
+    lines.append(line)
+  lines += ["", "Other processes during the kept rounds: %s; rounds "
+            "repeated: %d." % (quiet.describe(
+                section["rounds"]["foreign_cores"]),
+                               section["rounds"]["repeated_rounds"]), ""]
+  if quick:
+    lines += [_targets_line(results, []), ""]
+  return lines
+
+
 def _per_worker(tasks: Optional[Dict[str, Dict[str, float]]]) -> str:
   """Each worker's MiB sent / received per step: ``"worker:0 1.5 / 1.5"``."""
   if not tasks:
@@ -1186,6 +1277,7 @@ def markdown(results: Dict[str, object]) -> str:
   lines += batch_norm_markdown(results)
   lines += fast_paths_markdown(results)
   lines += accumulation_markdown(results)
+  lines += startup_markdown(results)
   lines += across_workers_markdown(results)
   return "\n".join(lines)
 
@@ -1282,6 +1374,10 @@ def summary(results: Dict[str, object]) -> List[Dict[str, object]]:
   for entry in (results.get("accumulation") or {}).get("comparisons", []):
     flat += [dict(t, scope="accumulation x%d" % entry["num_towers"])
              for t in entry.get("targets", [])]
+  for row in (results.get("startup") or {}).get("rows", []):
+    flat += [dict(t, scope="startup %s x%d" % (row["all_reduce"],
+                                                row["num_towers"]))
+             for t in row.get("targets", [])]
   return flat
 
 

@@ -39,7 +39,10 @@ same ``tf.data`` input unstaged at 2 and 4 towers, and bfloat16, float16
 (`benchmarks.accumulation`): replicated towers with ``accumulate_steps`` 1,
 2 and 4 at the same micro-batch per tower, at 2 and 4 towers, against one
 run of the same effective batch, with the bytes each applied update moves
-per example, and last a CNN (MNIST's by default) across workers
+per example, the replicated copies' start-up check (`benchmarks.startup`):
+the replicated MNIST step as built (gated on a flag read each step) against
+its twin with the gates cut off, at 2 and 4 towers, with the nodes each
+step runs, and last a CNN (MNIST's by default) across workers
 (`benchmarks.across_workers`): 2 workers x 2 towers on loopback, with a
 parameter server and with a collective all-reduce, each task a process of
 its own, against 1 worker x 4 towers, with the bytes each worker sends and
@@ -58,11 +61,12 @@ everything runs: its results (in their own default directory) say they are a
 quick run, and it gives no verdicts on the targets. A section given no sizes
 is skipped: ``--workloads= --packing_kib= --averaging_shape= --build_towers=
 --large_build_towers= --noacross_workers`` runs the batch-norm comparison,
-the fast paths and the gradient accumulation alone, ``--batch_norm_towers=``
-skips the first, ``--fast_paths_workloads=`` the second
-(``--staging_towers=`` or ``--precision_towers=`` a part of it),
-``--accumulation_towers=`` the last; ``--noacross_workers`` skips the section
-across workers, in a quick run too.
+the fast paths, the gradient accumulation and the start-up check alone,
+``--batch_norm_towers=`` skips the first, ``--fast_paths_workloads=`` the
+second (``--staging_towers=`` or ``--precision_towers=`` a part of it),
+``--accumulation_towers=`` the third, ``--startup_towers=`` the last;
+``--noacross_workers`` skips the section across workers, in a quick run
+too.
 See docs/performance.md.
 """
 
@@ -101,6 +105,7 @@ from benchmarks import mirrored
 from benchmarks import packing
 from benchmarks import quiet
 from benchmarks import report
+from benchmarks import startup
 from benchmarks import transformer
 from benchmarks import workloads
 
@@ -442,6 +447,33 @@ def accumulation_comparison(*, tower_counts: Sequence[int],
   return result
 
 
+def startup_comparison(*, tower_counts: Sequence[int],
+                       all_reduces: Sequence[str], global_batch: int,
+                       num_devices: int, quiet_policy: Quiet, warmup: int,
+                       rounds: int, steps: int) -> Dict[str, object]:
+  """Times the replicated step gated against ungated, interleaved; counts
+  the nodes each runs in a traced step after the first."""
+  started = time.time()
+  runners = startup.build(tower_counts=tower_counts, all_reduces=all_reduces,
+                          global_batch=global_batch, num_devices=num_devices)
+  try:
+    nodes = {key: startup.nodes_per_step(step)
+             for key, step in runners.items()}
+  except BaseException:
+    for runner in runners.values():
+      runner.close()
+    raise
+  logging.info("start-up check: timing gated against ungated, %s, at %s "
+               "towers", ", ".join(all_reduces), list(tower_counts))
+  times, rounds_info = _interleave_and_close(
+      runners, warmup=warmup, rounds=rounds, steps=steps,
+      quiet_policy=quiet_policy)
+  result = startup.result(runners, times, nodes, global_batch=global_batch,
+                          rounds_info=rounds_info)
+  result["seconds"] = time.time() - started
+  return result
+
+
 def across_workers_comparison(*, workload_name: str, per_tower_batch: int,
                               measure_steps: int, own_pids: List[int],
                               quiet_policy: Quiet, warmup: int, rounds: int,
@@ -525,6 +557,9 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         accumulation_towers: Sequence[int] = (),
         accumulation_steps: Sequence[int] = (1, 2, 4),
         accumulation_batch: int = 64,
+        startup_towers: Sequence[int] = (),
+        startup_all_reduces: Sequence[str] = ("add_n", "collective"),
+        startup_batch: int = 64, startup_rounds: int = 30,
         across_workers_workload: str = "", across_workers_batch: int = 64,
         across_workers_measure_steps: int = 5,
         mirrored_skipped: Optional[str] = None,
@@ -585,6 +620,11 @@ def run(*, out_dir: str, workload_names: Sequence[str],
     accumulation_steps: their ``accumulate_steps`` (1 is always among
       them: the baseline).
     accumulation_batch: their micro-batch per tower.
+    startup_towers: the tower counts at which the replicated step is timed
+      gated against ungated (`benchmarks.startup`); empty skips it.
+    startup_all_reduces: its ``all_reduce`` algorithms.
+    startup_batch: its global batch (MNIST).
+    startup_rounds: its interleaved rounds (of `steps` steps).
     across_workers_workload: the workload ("mnist", "cifar10") trained on
       2 workers x 2 towers, with a parameter server and with a collective
       all-reduce, against 1 worker x 4 towers
@@ -611,6 +651,7 @@ def run(*, out_dir: str, workload_names: Sequence[str],
   num_devices = max(list(tower_counts) + list(averaging_shape[:1])
                     + list(batch_norm_towers) + list(staging_towers)
                     + list(precision_towers) + list(accumulation_towers)
+                    + list(startup_towers)
                     + ([packing_towers] if packing_sizes else []) + [1])
   results = {"quick": quick, "mirrored_skipped": mirrored_skipped,
              "machine": _machine(),
@@ -634,6 +675,10 @@ def run(*, out_dir: str, workload_names: Sequence[str],
                  "accumulation_towers": list(accumulation_towers),
                  "accumulation_steps": list(accumulation_steps),
                  "accumulation_batch": accumulation_batch,
+                 "startup_towers": list(startup_towers),
+                 "startup_all_reduces": list(startup_all_reduces),
+                 "startup_batch": startup_batch,
+                 "startup_rounds": startup_rounds,
                  "across_workers_workload": across_workers_workload,
                  "across_workers_batch": across_workers_batch,
                  "across_workers_measure_steps":
@@ -736,6 +781,14 @@ def run(*, out_dir: str, workload_names: Sequence[str],
         tower_counts=accumulation_towers, accumulate_steps=accumulation_steps,
         per_tower_batch=accumulation_batch, num_devices=num_devices,
         quiet_policy=quiet_policy, warmup=warmup, rounds=rounds, steps=steps)
+  # After gradient accumulation, so that every section before it runs as in
+  # earlier runs.
+  if startup_towers:
+    results["startup"] = startup_comparison(
+        tower_counts=startup_towers, all_reduces=startup_all_reduces,
+        global_batch=startup_batch, num_devices=num_devices,
+        quiet_policy=quiet_policy, warmup=warmup, rounds=startup_rounds,
+        steps=steps)
   # Last: its six processes start once every section before it is done.
   if across_workers_workload:
     results["across_workers"] = across_workers_comparison(
@@ -806,6 +859,8 @@ def main(argv):
         staging_towers=[2], staging_batch=8, precision_towers=[2],
         precision_batch=2, accumulation_towers=[2],
         accumulation_steps=[1, 2], accumulation_batch=2,
+        startup_towers=[2], startup_all_reduces=["add_n", "collective"],
+        startup_batch=8, startup_rounds=2,
         across_workers_workload="mnist",
         across_workers_batch=2, across_workers_measure_steps=2,
         quiet_wait_seconds=0)
@@ -839,6 +894,10 @@ def main(argv):
         accumulation_towers=[int(n) for n in FLAGS.accumulation_towers if n],
         accumulation_steps=[int(k) for k in FLAGS.accumulation_steps if k],
         accumulation_batch=FLAGS.accumulation_batch,
+        startup_towers=[int(n) for n in FLAGS.startup_towers if n],
+        startup_all_reduces=[a for a in FLAGS.startup_all_reduce if a],
+        startup_batch=FLAGS.startup_batch,
+        startup_rounds=FLAGS.startup_rounds,
         across_workers_workload=FLAGS.across_workers_workload,
         across_workers_batch=FLAGS.across_workers_batch,
         quiet_wait_seconds=60 * FLAGS.quiet_wait_minutes)
@@ -925,6 +984,17 @@ def define_flags():
   flags.DEFINE_integer("accumulation_batch", 64, "Its micro-batch per "
                        "tower, the same at every k (at 4 towers, one run "
                        "is MNIST's global batch of the throughput rows).")
+  flags.DEFINE_list("startup_towers", ["2", "4"], "Tower counts at which "
+                    "the replicated MNIST step is timed as built, its "
+                    "copies' start-up check gated on a flag each step, "
+                    "against its twin with the gates cut off "
+                    "(benchmarks/startup.py); empty skips it.")
+  flags.DEFINE_list("startup_all_reduce", ["add_n", "collective"], "Its "
+                    "all_reduce algorithms.")
+  flags.DEFINE_integer("startup_batch", 64, "Its global batch: small, so "
+                       "that a fixed cost per step shows.")
+  flags.DEFINE_integer("startup_rounds", 30, "Its interleaved rounds: the "
+                       "difference sought is small.")
   flags.DEFINE_boolean("across_workers", True, "Time 2 workers x 2 towers "
                        "on loopback (a parameter-server cluster and a "
                        "collective one, each task a process) against 1 "

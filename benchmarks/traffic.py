@@ -31,6 +31,14 @@ input batch alone (the towers' shards), *other* tensors from neither (a
 constant). The counts depend on the graph, not on the hardware: on virtual
 CPU devices, where a send passes a pointer, they are the bytes a GPU machine
 would copy.
+
+A step is counted as every step after the first runs it. With replicated
+variables, the first step after the local init op also sets every copy from
+copy 0 (``towers/_startup.py``: a v1 cond named ``set_copies`` on a local
+flag, ``copies_are_set``); every later step takes the cond's empty branch,
+whose sends carry dead tensors, no data. So the sends of ops inside those
+conds are in no count but ``startup_sends`` (`in_startup`), and the flag is
+no parameter: the predicate it sends to each copy's device is *other*.
 """
 
 import re
@@ -53,6 +61,9 @@ SEND_OPS = frozenset(["_Send", "_HostSend"])
 # Their tensors' bytes do not follow from shape and dtype.
 UNSIZED_DTYPES = frozenset([tf.resource, tf.variant, tf.string])
 FIELDS = ("sent_bytes", "received_bytes", "sent_tensors", "received_tensors")
+# The start-up's conds and flags, by the names towers/_startup.py gives them.
+STARTUP_COND = re.compile(r"(^|/)set_copies(_\d+)?/")
+STARTUP_FLAG = re.compile(r"(^|/)copies_are_set(_\d+)?$")
 
 
 def device_name(device: str) -> str:
@@ -71,6 +82,18 @@ def task_name(device: str) -> str:
   if not spec.job:
     return "local"
   return "%s:%d" % (spec.job, spec.task or 0)
+
+
+def in_startup(op: tf.Operation) -> bool:
+  """Whether `op` is inside a branch of a start-up cond (``set_copies``),
+  which sets the copies at the first step only."""
+  # No public accessor: tf.cond's own code reads the same attribute.
+  context = op._control_flow_context  # pylint: disable=protected-access
+  while context is not None:
+    if STARTUP_COND.search(getattr(context, "name", "")):
+      return True
+    context = context.outer_context
+  return False
 
 
 def _downstream(ops: Iterable[tf.Operation]) -> Set[str]:
@@ -149,9 +172,11 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
     ``collective_bytes``, device -> the bytes its collective ops sum (their
     inputs); ``unsized``, the names of sent tensors whose size is unknown
     (in no other count); ``skipped``, the sends and collectives `skip`
-    left out.
+    left out; ``startup_sends``, the sends of the start-up's conds, left
+    out (`in_startup`).
   """
-  from_parameters = _downstream(v.op for v in parameters)
+  from_parameters = _downstream(v.op for v in parameters
+                                if not STARTUP_FLAG.search(v.op.name))
   from_inputs = _downstream(t.op for t in inputs)
 
   def kind(op: tf.Operation) -> str:
@@ -164,7 +189,7 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
   totals = {k: {"bytes": 0, "tensors": 0} for k in (INPUT, OTHER)}
   result = {"devices": devices, INPUT: totals[INPUT], OTHER: totals[OTHER],
             "control_edges": 0, "collectives": 0, "collective_bytes": {},
-            "unsized": [], "skipped": 0}
+            "unsized": [], "skipped": 0, "startup_sends": 0}
   for partition in partition_graphs:
     nodes = {node.name: node for node in partition.node}
     for node in partition.node:
@@ -181,6 +206,9 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
       name = node.input[0]
       tensor = _tensor(graph, name)
       if tensor is not None:
+        if in_startup(tensor.op):
+          result["startup_sends"] += 1
+          continue
         if skip is not None and skip(tensor.op):
           result["skipped"] += 1
           continue
@@ -191,6 +219,9 @@ def count(partition_graphs: Sequence[tf.GraphDef], graph: tf.Graph,
           result["control_edges"] += 1
           continue
         origin = _folded_origin(sent, graph)
+        if origin is not None and in_startup(origin):
+          result["startup_sends"] += 1
+          continue
         if skip is not None and origin is not None and skip(origin):
           result["skipped"] += 1
           continue
@@ -494,6 +525,7 @@ def summarize(measured: Dict[str, object],
       "other_bytes": measured[OTHER]["bytes"],
       "other_tensors": measured[OTHER]["tensors"],
       "control_edges": measured["control_edges"],
+      "startup_sends": measured.get("startup_sends", 0),
       "collectives": collectives,
       "collective_bytes": dict(sorted(measured.get("collective_bytes",
                                                    {}).items())),

@@ -144,6 +144,7 @@ def test_quick_benchmark_reports_every_variant(tmp_path):
 
   _check_quick_fast_paths(results["fast_paths"], size, done.stdout)
   _check_quick_accumulation(results["accumulation"], size, done.stdout)
+  _check_quick_startup(results["startup"], done.stdout)
 
   # The sweep: packed against unpacked at 2 sizes, 4 towers, 8 variables.
   sweep = results["packing_sweep"]
@@ -269,6 +270,39 @@ def _check_quick_fast_paths(section, size, stdout):
   assert "| mnist | float16 (compute_dtype, dynamic loss scaling) | 2 |" in (
       stdout)
   assert "| mnist | float32, XLA (jit_scope) | 2 |" in stdout
+
+
+def _check_quick_startup(section, stdout):
+  """The quick run's start-up check: replicated at 2 towers, add_n and the
+  collective, each gated against ungated: counts."""
+  assert section["global_batch"] == 8
+  rows = {(r["all_reduce"], r["num_towers"]): r for r in section["rows"]}
+  assert sorted(rows) == [("add_n", 2), ("collective", 2)]
+  for key, row in rows.items():
+    gated, ungated = row["gated"], row["ungated"]
+    assert gated["steps_timed"] > 0 and ungated["steps_timed"] > 0, key
+    assert row["step_time_ratio"] == pytest.approx(
+        gated["median_step_sec"] / ungated["median_step_sec"])
+    assert row["targets"] == []
+    # One graph: the twin only lost the gates' control inputs.
+    assert gated["num_ops"] == ungated["num_ops"], key
+    # After the first step, the gated step still reads the flag, switches
+    # and merges; the twin never runs the cond.
+    assert gated["nodes_per_step"] > ungated["nodes_per_step"], key
+    assert row["nodes_added"] == (gated["nodes_per_step"]
+                                  - ungated["nodes_per_step"])
+    assert gated["startup_nodes"] > 0 and ungated["startup_nodes"] == 0
+    # The parameters cross alike: the cond's setting sends carry no data
+    # after the first step, and are in no count.
+    assert gated["parameter_devices"] == ungated["parameter_devices"], key
+    assert gated["startup_sends"] > 0 and ungated["startup_sends"] == 0
+    # What the check sends per step: the flag, a bool, to tower 1's device
+    # for each of its 2 conds (the towers', the update's).
+    assert row["startup_bytes"] == row["startup_tensors"] == 2, key
+  assert "### Replicated start-up check: gated against ungated, MNIST CNN, " \
+      "global batch 8 (quick run)" in stdout
+  assert re.search(r"^\| collective \| 2 \| .* \| \d+ / \d+ \(\+\d+\) \| "
+                   r"\d+ / 0 \| \d+ / \d+ \(\+2\) \| ", stdout, re.M)
 
 
 def _check_quick_accumulation(section, size, stdout):
@@ -569,10 +603,15 @@ def test_traffic_of_a_tiny_model_is_what_its_design_moves(minimize_kwargs,
   # The shards of x that /cpu:0 sends towers 1-3, counted apart.
   assert measured["input"] == {"bytes": 3 * 32, "tensors": 3}
   # The device check: each other tower's float32 read back, to the host.
-  assert measured["other"] == {"bytes": 3 * 4, "tensors": 3}
+  # Replicated, also the start-up's flag (a bool) to each other tower, for
+  # the towers' gate and the update's; the copies it sets at the first step
+  # move in no later one (traffic.in_startup).
+  all_reduce = minimize_kwargs.get("all_reduce")
+  flags = 2 * 3 if all_reduce else 0
+  assert measured["other"] == {"bytes": 3 * 4 + flags, "tensors": 3 + flags}
+  assert (measured["startup_sends"] > 0) == bool(all_reduce)
   assert measured["unsized"] == []
   assert measured["control_edges"] > 0
-  all_reduce = minimize_kwargs.get("all_reduce")
   pack_bytes = minimize_kwargs.get("pack_bytes", DEFAULT_PACK_BYTES)
   # Counted from the algorithm: 2 variables (or 1 pack) on 4 devices.
   if all_reduce == "collective":
@@ -1279,16 +1318,18 @@ def test_an_accumulated_update_moves_one_reduction_per_k_micro_batches():
   applying, quiet_run = four["applying"], four["non_applying"]
   assert applying["devices"] == STAR_PACKED_ADD_N
   assert applying["skipped"] == 0
-  # The apply branch's 6 sends (3 packs in, 3 sums out) are in the
+  # The apply branch's 6 sends (3 packs in, 3 sums out), and the start-up
+  # flag of the update inside it (a bool to each other tower), are in the
   # partition graphs of every run; left out, nothing of the parameters
   # crosses. Everything else counts alike: the input shards, the device
-  # check's floats and the cond's predicate (a bool to each other tower).
-  assert quiet_run["skipped"] == 6
+  # check's floats, the cond's predicate and the towers' start-up flag (a
+  # bool to each other tower each).
+  assert quiet_run["skipped"] == 6 + 3
   assert quiet_run["devices"] == {}
-  for kind in ("input", "other"):
-    assert quiet_run[kind] == applying[kind], kind
+  assert quiet_run["input"] == applying["input"]
+  assert quiet_run["other"] == {"bytes": 3 * 4 + 3 + 3, "tensors": 9}
   assert applying["input"] == {"bytes": 3 * 32, "tensors": 3}
-  assert applying["other"] == {"bytes": 3 * 4 + 3, "tensors": 6}
+  assert applying["other"] == {"bytes": 3 * 4 + 3 + 2 * 3, "tensors": 12}
   assert four["per_update"] == STAR_PACKED_ADD_N
   expectation = accumulation.expected_update(
       variables, ["/cpu:%d" % i for i in range(4)], "replicated", "add_n", 4)
@@ -1303,7 +1344,7 @@ def test_an_accumulated_update_moves_one_reduction_per_k_micro_batches():
                                  examples_per_update=32, accumulate_steps=4)
   assert summary["bytes_per_example"] == 15.0
   assert summary["non_applying_busiest_bytes"] == 0
-  assert summary["non_applying_skipped"] == 6
+  assert summary["non_applying_skipped"] == 6 + 3
   assert summary["input_bytes_per_update"] == 4 * 3 * 32
 
 
@@ -1491,3 +1532,48 @@ def test_quick_accumulation_gives_no_verdicts():
   table = report.markdown(results)
   assert "2 per tower per run (quick run)" in table
   assert not VERDICT.search(table)
+
+
+def _startup_section(ratio, interval):
+  """A made-up start-up check at 2 towers: `ratio` the gated step time over
+  the ungated one, `interval` its 95% bootstrap interval."""
+  def side(seconds, nodes):
+    return {"median_step_sec": seconds, "q1_step_sec": seconds,
+            "q3_step_sec": seconds, "nodes_per_step": nodes,
+            "startup_nodes": nodes - 245, "bytes_per_step": 100 + nodes - 245,
+            "control_edges": 6}
+  row = {"all_reduce": "add_n", "num_towers": 2,
+         "gated": side(0.1 * ratio, 312), "ungated": side(0.1, 245),
+         "step_time_ratio": ratio, "ratio_interval": list(interval),
+         "nodes_added": 67, "startup_bytes": 67}
+  return {"title": "MNIST CNN", "global_batch": 64, "rows": [row],
+          "rounds": {"foreign_cores": [0.0], "repeated_rounds": 0}}
+
+
+@pytest.mark.parametrize("ratio, interval, met", [
+    (1.008, (1.002, 1.014), True),  # Measurable, but within 1%.
+    (1.03, (0.98, 1.07), True),  # Above 1%, but within noise.
+    (0.97, (0.95, 0.99), True),
+    (1.03, (1.02, 1.04), False),
+])
+def test_the_startup_check_is_met_unless_measurably_and_over_1_percent_slower(
+    ratio, interval, met):
+  results = _results(quick=False)
+  results["startup"] = _startup_section(ratio, interval)
+  report.add_targets(results)
+  (verdict,) = [t for t in results["targets"]
+                if t["scope"] == "startup add_n x2"]
+  assert verdict["met"] == met
+  table = report.markdown(results)
+  assert "### Replicated start-up check: gated against ungated, MNIST CNN, " \
+      "global batch 64\n" in table
+  (line,) = [text for text in table.splitlines()
+             if text.startswith("| add_n | 2 | ")]
+  assert "| 312 / 245 (+67) | 67 / 0 | " in line
+  assert ("**not met**" in line) != met
+
+  quick = _results(quick=True)
+  quick["startup"] = _startup_section(ratio, interval)
+  report.add_targets(quick)
+  assert quick["targets"] == [] and quick["startup"]["rows"][0]["targets"] == []
+  assert not VERDICT.search(report.markdown(quick))
