@@ -10,6 +10,7 @@ Momentum steps in, so copy 0's weights and slots differ from their initial
 values: a copy that missed the restore trains on other weights.
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -70,6 +71,19 @@ def _checkpoint(tmp_path_factory):
   return path, losses, values
 
 
+@contextlib.contextmanager
+def _restored(path):
+  """A session of the default graph: both initializers in one run, as TF1
+  programs often start, then a restore of `path`."""
+  init = tf.group(tf.global_variables_initializer(),
+                  tf.local_variables_initializer())
+  saver = tf.train.Saver()
+  with tf.Session(config=_config()) as sess:
+    sess.run(init)
+    saver.restore(sess, path)
+    yield sess
+
+
 def _train(sess, train_op, t):
   losses = [sess.run([train_op, t.loss])[1] for _ in range(STEPS)]
   return losses, sess.run(_values())
@@ -92,12 +106,7 @@ def _assert_one_device(checkpoint, losses, values):
 def test_initializers_in_one_run_then_a_restore(checkpoint, all_reduce):
   with tf.Graph().as_default():
     train_op, t = _build(NUM, all_reduce)
-    init = tf.group(tf.global_variables_initializer(),
-                    tf.local_variables_initializer())
-    saver = tf.train.Saver()
-    with tf.Session(config=_config()) as sess:
-      sess.run(init)
-      saver.restore(sess, checkpoint[0])
+    with _restored(checkpoint[0]) as sess:
       _assert_one_device(checkpoint, *_train(sess, train_op, t))
 
 
@@ -164,12 +173,7 @@ def test_accumulated_steps_start_from_the_restore(checkpoint):
         model_fn(True), _optimizer(), NUM, inputs=tuple(inputs),
         devices=devices(NUM), global_step=step,
         variable_device="replicated", accumulate_steps=2)
-    init = tf.group(tf.global_variables_initializer(),
-                    tf.local_variables_initializer())
-    saver = tf.train.Saver()
-    with tf.Session(config=_config()) as sess:
-      sess.run(init)
-      saver.restore(sess, checkpoint[0])
+    with _restored(checkpoint[0]) as sess:
       losses = []
       for _ in range(STEPS):
         parts = [sess.run([train_op, t.loss], {which: k})[1] for k in (0, 1)]
@@ -189,12 +193,7 @@ def test_the_by_hand_flow_starts_from_the_restore(checkpoint):
                             variable_device="replicated")
     train_op = opt.apply_gradients(towers.average_gradients(t.tower_grads),
                                    global_step=step)
-    init = tf.group(tf.global_variables_initializer(),
-                    tf.local_variables_initializer())
-    saver = tf.train.Saver()
-    with tf.Session(config=_config()) as sess:
-      sess.run(init)
-      saver.restore(sess, checkpoint[0])
+    with _restored(checkpoint[0]) as sess:
       _assert_one_device(checkpoint, *_train(sess, train_op, t))
 
 
@@ -213,12 +212,7 @@ def test_inference_reads_the_restored_copies(checkpoint, beside_training):
       tf.get_variable_scope().reuse_variables()
     out = towers.infer(logits, NUM, inputs=tf.constant(x),
                        devices=devices(NUM), variable_device="replicated")
-    init = tf.group(tf.global_variables_initializer(),
-                    tf.local_variables_initializer())
-    saver = tf.train.Saver()
-    with tf.Session(config=_config()) as sess:
-      sess.run(init)
-      saver.restore(sess, checkpoint[0])
+    with _restored(checkpoint[0]) as sess:
       got = sess.run(out)
   with tf.Graph().as_default():
     out = _logits(tf.constant(x))
