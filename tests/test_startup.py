@@ -65,9 +65,8 @@ def _checkpoint(tmp_path_factory):
       for _ in range(2):
         sess.run(train_op)
       saver.save(sess, path)
-      losses = [sess.run([train_op, t.loss])[1] for _ in range(STEPS)]
-      values = sess.run({n: v for n, v in _values().items()
-                         if n != "global_step"})
+      losses, values = _train(sess, train_op, t)
+      del values["global_step"]
   return path, losses, values
 
 
@@ -85,7 +84,13 @@ def _restored(path):
 
 
 def _train(sess, train_op, t):
-  losses = [sess.run([train_op, t.loss])[1] for _ in range(STEPS)]
+  """`STEPS` steps; each step's loss is fetched in a run of its own before
+  it (the by-hand flow's update does not wait for the loss, which a ref
+  variable's in-place update could race)."""
+  losses = []
+  for _ in range(STEPS):
+    losses.append(sess.run(t.loss))
+    sess.run(train_op)
   return losses, sess.run(_values())
 
 
