@@ -62,12 +62,6 @@ APPLY_COND = "accumulate_gradients/apply_or_accumulate"
 Key = Tuple[int, str, int]
 
 
-def _context(op: tf.Operation):
-  """Returns an op's v1 control-flow context (None outside any)."""
-  # No public accessor: tf.cond's own code reads the same attribute.
-  return op._control_flow_context  # pylint: disable=protected-access
-
-
 def apply_context(train_op: tf.Operation):
   """Returns the control-flow context of the apply branch of `train_op`.
 
@@ -88,12 +82,10 @@ def apply_context(train_op: tf.Operation):
     ValueError: if `train_op` is not that ``Merge``.
   """
   for tensor in train_op.inputs:
-    context = _context(tensor.op)
-    while context is not None:
+    for context in traffic.contexts(tensor.op):
       if (getattr(context, "branch", None) == 1
           and context.name.startswith(APPLY_COND + "/")):
         return context
-      context = context.outer_context
   raise ValueError("expected the train op of accumulate_steps > 1, the Merge "
                    "of the %s cond, got %s (%s)"
                    % (APPLY_COND, train_op.name, train_op.type))
@@ -113,12 +105,7 @@ def in_apply_branch(context):
   """
 
   def skip(op: tf.Operation) -> bool:
-    inner = _context(op)
-    while inner is not None:
-      if inner is context:
-        return True
-      inner = inner.outer_context
-    return False
+    return any(inner is context for inner in traffic.contexts(op))
 
   return skip
 

@@ -42,8 +42,8 @@ no parameter: the predicate it sends to each copy's device is *other*.
 """
 
 import re
-from typing import (Callable, Dict, Iterable, List, Optional, Sequence, Set,
-                    Tuple)
+from typing import (Callable, Dict, Iterable, Iterator, List, Optional,
+                    Sequence, Set, Tuple)
 
 import tensorflow.compat.v1 as tf
 
@@ -84,16 +84,20 @@ def task_name(device: str) -> str:
   return "%s:%d" % (spec.job, spec.task or 0)
 
 
-def in_startup(op: tf.Operation) -> bool:
-  """Whether `op` is inside a branch of a start-up cond (``set_copies``),
-  which sets the copies at the first step only."""
+def contexts(op: tf.Operation) -> Iterator[object]:
+  """`op`'s v1 control-flow context, then each context around it."""
   # No public accessor: tf.cond's own code reads the same attribute.
   context = op._control_flow_context  # pylint: disable=protected-access
   while context is not None:
-    if STARTUP_COND.search(getattr(context, "name", "")):
-      return True
+    yield context
     context = context.outer_context
-  return False
+
+
+def in_startup(op: tf.Operation) -> bool:
+  """Whether `op` is inside a branch of a start-up cond (``set_copies``),
+  which sets the copies at the first step only."""
+  return any(STARTUP_COND.search(getattr(c, "name", ""))
+             for c in contexts(op))
 
 
 def _downstream(ops: Iterable[tf.Operation]) -> Set[str]:
