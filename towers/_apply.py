@@ -124,11 +124,11 @@ def original_apply(opt: tf.train.Optimizer) -> Callable[..., tf.Operation]:
 
 
 @contextlib.contextmanager
-def copies_set(grads_and_vars: _gradients.GradsAndVars) -> Iterator[None]:
-  """Around the update of `grads_and_vars`' variables and their copies: at
-  the first step, what it builds waits for their copies and the slots it
-  makes to be set from copy 0 (a restore may have changed copy 0 since)."""
-  pairs = _checked(grads_and_vars)
+def copies_set(pairs: _gradients.GradsAndVars) -> Iterator[None]:
+  """Around the update of the variables of `pairs` (copy 0's ``(grad,
+  var)``, a list) and their copies: at the first step, what it builds waits
+  for their copies and the slots it makes to be set from copy 0 (a restore
+  may have changed copy 0 since)."""
   copies = [(c, v) for _, v in pairs for c in _copies.copies_of(v)]
   if not copies:
     yield

@@ -139,7 +139,7 @@ def _dynamic_sizes(tensors, num_shards, allow_empty):
   base = batch // num_shards
   extra = batch % num_shards
   sizes = base + tf.cast(tf.range(num_shards) < extra, tf.int32)
-  return sizes, _ratios([sizes[i] for i in range(num_shards)])
+  return sizes, _ratios([sizes[i] for i in range(num_shards)], batch)
 
 
 def size_weights(sizes: List[Optional[Weight]]) -> List[Weight]:
@@ -161,12 +161,13 @@ def size_weights(sizes: List[Optional[Weight]]) -> List[Weight]:
   return _ratios(sizes)
 
 
-def _ratios(counts: Sequence[object]) -> List[tf.Tensor]:
-  """Each of `counts` (scalar tensors) over their sum, in float64: cast to
-  a gradient's dtype, a share is that dtype's nearest to the exact ratio,
-  float64 gradients' included."""
+def _ratios(counts: Sequence[object],
+            total: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
+  """Each of `counts` (scalar tensors) over `total` (default their sum), in
+  float64: cast to a gradient's dtype, a share is that dtype's nearest to
+  the exact ratio, float64 gradients' included."""
   counts = [tf.cast(c, tf.float64) for c in counts]
-  total = tf.add_n(counts)
+  total = tf.add_n(counts) if total is None else tf.cast(total, tf.float64)
   return [c / total for c in counts]
 
 
