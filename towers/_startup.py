@@ -6,7 +6,8 @@ alone, and ``tf.group(global_init, local_init)`` runs both initializers in
 any order. So the first step after the local init op sets every copy (and
 every copy's slot) from copy 0 before anything reads it. A local boolean,
 False after the local init op, says whether that step has come; later steps
-read it and go on: a few scalar ops on the host, nothing copied.
+read it and take the setting's empty branch: a switch per tensor the setting
+would read (the flag, one byte, sent to each copy's device), nothing copied.
 
 The ops that read the copies wait for a gate, a no-op made before the copies
 exist, on the reader's device; `Start.finish` makes the gates wait for the
