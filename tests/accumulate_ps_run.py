@@ -29,12 +29,7 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--ref-variables", action="store_true")
   args = parser.parse_args()
-  if args.ref_variables:
-    tf.disable_v2_behavior()
-  else:
-    tf.disable_eager_execution()
-    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
-    tf.enable_resource_variables()
+  models.use_variables(args.ref_variables)
   ps_port, worker_port = training.free_ports(2)
   cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:%d" % ps_port],
                                   "worker": ["127.0.0.1:%d" % worker_port]})

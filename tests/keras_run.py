@@ -24,6 +24,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow.compat.v1 as tf
 
+import models
 import towers
 
 keras = tf.keras
@@ -337,12 +338,7 @@ def regularization_errors():
 
 
 def main():
-  if "--ref-variables" in sys.argv:
-    tf.disable_v2_behavior()
-  else:
-    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
-    tf.enable_resource_variables()
-  tf.disable_eager_execution()
+  models.use_variables("--ref-variables" in sys.argv)
   result = {}
   for kind in ("sequential", "functional", "subclassed", "mobilenet"):
     case = {}

@@ -50,6 +50,17 @@ def model_fn(regularize=False):
   return lambda scope, x, y: loss_fn(x, y, regularize)
 
 
+def use_variables(ref):
+  """Graph mode in this process (a script a test starts), with ref variables
+  (``tf.disable_v2_behavior()``) if `ref`, else resource ones (TensorFlow 2's
+  default; TensorFlow 1.15 makes ref variables unless asked)."""
+  if ref:
+    tf.disable_v2_behavior()
+  else:
+    tf.disable_eager_execution()
+    tf.enable_resource_variables()
+
+
 def devices(n):
   return ["/cpu:%d" % i for i in range(n)]
 

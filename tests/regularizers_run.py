@@ -24,7 +24,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow.compat.v1 as tf
 
 import towers
-from models import copies_gap, weight_sends
+from models import copies_gap, use_variables, weight_sends
 
 try:
   import tf_slim as slim  # pylint: disable=g-import-not-at-top
@@ -275,12 +275,7 @@ def sends(style):
 
 
 def main():
-  if "--ref-variables" in sys.argv:
-    tf.disable_v2_behavior()
-  else:
-    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
-    tf.enable_resource_variables()
-  tf.disable_eager_execution()
+  use_variables("--ref-variables" in sys.argv)
   # --shard K/N: the styles K, K + N, ... of the list below.
   shard, shards = (int(n) for n in (sys.argv[sys.argv.index("--shard") + 1]
                                     if "--shard" in sys.argv else "0/1"

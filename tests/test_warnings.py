@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
+import models
 import towers
 from towers import training
 
@@ -431,13 +432,7 @@ def main():
   parser.add_argument("canary")
   parser.add_argument("--ref-variables", action="store_true")
   args = parser.parse_args()
-  if args.ref_variables:
-    tf.disable_v2_behavior()
-  else:
-    tf.disable_eager_execution()
-    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless
-    # asked.
-    tf.enable_resource_variables()
+  models.use_variables(args.ref_variables)
   handler = _Records()
   logger = tf.get_logger()
   # Deprecations are warnings, whatever the environment asks.

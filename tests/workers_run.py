@@ -22,6 +22,7 @@ import sys
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+import models
 import towers
 
 GLOBAL_TOWERS = 4
@@ -46,12 +47,7 @@ def main() -> None:
                       default="batch_norm")
   parser.add_argument("--ref-variables", action="store_true")
   args = parser.parse_args()
-  if args.ref_variables:
-    tf.disable_v2_behavior()
-  else:
-    tf.disable_eager_execution()
-    # TensorFlow 2's default; TensorFlow 1.15 makes ref variables unless asked.
-    tf.enable_resource_variables()
+  models.use_variables(args.ref_variables)
   ports = [p for p in args.ports.split(",") if p]
   workers = max(1, len(ports))
   config = towers.virtual_cpu_config(args.towers)
