@@ -1,6 +1,7 @@
 """Replicated mode: a copy of the variables per tower, kept identical."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -415,6 +416,69 @@ def test_a_variable_made_before_the_towers_is_copied_where_read():
         sess.run(train_op)
       _assert_copies_identical(_values(sess), 2)
       assert sess.run(scale) != 1.5
+
+
+def _colocating_model(registry):
+  """Ops colocated with variables: an embedding lookup (its gather goes
+  with the table) and the model's own colocate_with; the variables from
+  tf.get_variable, or from a registry of plain tf.Variables."""
+
+  def variable(name, value):
+    if registry is None:
+      return tf.get_variable(name, initializer=value)
+    if name not in registry:  # Tower 0 makes it; later towers reuse it.
+      registry[name] = tf.Variable(value, name=name)
+    return registry[name]
+
+  def model(scope, ids, y):
+    del scope
+    rng = np.random.RandomState(0)
+    table = variable("table", rng.normal(0, 1, (10, 3)).astype(np.float32))
+    w = variable("w", rng.normal(0, 1, (3, 2)).astype(np.float32))
+    with tf.get_default_graph().colocate_with(w):
+      w2 = tf.square(w, name="colocated_square")
+    logits = tf.matmul(tf.nn.embedding_lookup(table, ids), w2)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=logits))
+
+  return model
+
+
+@pytest.mark.parametrize("registry", [False, True],
+                         ids=["get_variable", "registry"])
+def test_ops_colocated_with_a_variable_follow_the_towers_copy(registry):
+  ids = np.array([1, 3, 3, 7, 0, 9, 1, 4], np.int32)
+  y = np.array([0, 1, 1, 0, 1, 0, 0, 1], np.int32)
+  results = {}
+  for mode in ["cpu", "replicated"]:
+    with tf.Graph().as_default() as graph:
+      train_op, t = towers.minimize(
+          _colocating_model({} if registry else None),
+          tf.train.GradientDescentOptimizer(0.5), 2,
+          inputs=(tf.constant(ids), tf.constant(y)), devices=devices(2),
+          variable_device=mode)
+      with tf.Session(config=_config(2)) as sess:
+        _init(sess)
+        metadata = tf.RunMetadata()
+        for _ in range(3):
+          sess.run(train_op, options=tf.RunOptions(
+              output_partition_graphs=True), run_metadata=metadata)
+        results[mode] = _values(sess)
+    if mode == "replicated":
+      placed = [(int(match.group(1)), models.device_index(node.device),
+                 node.name)
+                for partition in metadata.partition_graphs
+                for node in partition.node if "Send" not in node.op and
+                "Recv" not in node.op  # Transfers: the reduction's.
+                for match in [re.match(r"tower_(\d+)/", node.name)] if match]
+      assert [n for n in placed if n[0] == 1]
+      strays = [n for n in placed if n[0] != n[1]]
+      assert not strays, strays
+  _assert_copies_identical(results["replicated"], 2)
+  for name, value in results["cpu"].items():
+    np.testing.assert_allclose(results["replicated"][name], value,
+                               rtol=1e-6, atol=1e-6, err_msg=name)
+  assert graph.get_operation_by_name("tower_1/colocated_square")
 
 
 def test_infer_after_training_towers_reuses_the_copies():

@@ -114,6 +114,22 @@ def test_clear_colocation_frees_the_op_to_go_to_its_own_device():
   _assert_six_on_cpu1(graph, y)
 
 
+def test_set_colocation_moves_the_op_to_the_new_group():
+  with tf.Graph().as_default() as graph:
+    with tf.device("/cpu:0"):
+      x = _variable("x", 2.0)
+    with tf.device("/cpu:1"):
+      z = _variable("z", 0.0)
+    with tf.colocate_with(x.op):
+      y = tf.multiply(tf.convert_to_tensor(x), 3.0, name="y")
+    assert _tf_internals.colocation(y.op) == [_group(x.op)]
+    assert _tf_internals.colocation(tf.constant(1.0).op) == []
+    _tf_internals.set_colocation(y.op, [_group(z.op)])
+    assert _tf_internals.colocation(y.op) == [_group(z.op)]
+    _tf_internals.set_device(y.op, z.op.device)
+  _assert_six_on_cpu1(graph, y)
+
+
 def test_creation_index_follows_the_order_ops_were_made():
   with tf.Graph().as_default() as graph:
     assert _tf_internals.last_op_id() == 0

@@ -108,10 +108,16 @@ def _value_or_zeros(source: tf.Variable) -> tf.Tensor:
   start equal to copy 0; run in one ``sess.run``, it may come first, and
   the first step sets the copies anyway (`_startup`).
   """
-  return _tf_internals.cond_v1(
-      tf.is_variable_initialized(source), source.read_value,
-      lambda: tf.zeros(source.shape, source.dtype.base_dtype),
-      name="value_or_zeros")
+  # With `source`, not with the copy the initializer is made for: an op
+  # that reads one variable but is colocated with another would tie the
+  # two's colocation groups, and every op colocated with the copy would go
+  # to copy 0's device.
+  with tf.get_default_graph().colocate_with(source.op,
+                                            ignore_existing=True):
+    return _tf_internals.cond_v1(
+        tf.is_variable_initialized(source), source.read_value,
+        lambda: tf.zeros(source.shape, source.dtype.base_dtype),
+        name="value_or_zeros")
 
 
 def read_copies(index: int, device: str, scope: str,
@@ -124,6 +130,13 @@ def read_copies(index: int, device: str, scope: str,
     primaries[var.op.outputs[0].name] = (var, False)
     if var.op.type != "VarHandleOp":
       primaries[var.value().name] = (var, True)
+  colocated = {_group(v.op): v for v in tf.trainable_variables()}
+
+  def copy_of_primary(primary: tf.Variable) -> tf.Variable:
+    copy = copy_of(primary, index)
+    return _copy(_get_variable, primary, index, device) if copy is None \
+        else copy
+
   for op in made:
     if not op.name.startswith(scope):
       continue
@@ -132,11 +145,26 @@ def read_copies(index: int, device: str, scope: str,
       if found is None:
         continue
       primary, snapshot = found
-      copy = copy_of(primary, index)
-      if copy is None:
-        copy = _copy(_get_variable, primary, index, device)
+      copy = copy_of_primary(primary)
       _tf_internals.update_input(
           op, k, copy.value() if snapshot else copy.op.outputs[0])
+    # An op colocated with copy 0 (an embedding lookup's gather, a
+    # colocate_with in the model) goes with this tower's copy instead.
+    groups = _tf_internals.colocation(op)
+    if any(group in colocated for group in groups if group != _group(op)):
+      copies = [copy_of_primary(colocated[group])
+                if group in colocated and group != _group(op) else None
+                for group in groups]
+      _tf_internals.set_colocation(op, [
+          group if copy is None else _group(copy.op)
+          for group, copy in zip(groups, copies)])
+      _tf_internals.set_device(op, next(c for c in copies
+                                          if c is not None).device)
+
+
+def _group(op: tf.Operation) -> bytes:
+  """The colocation group of `op`: ``b"loc:@<name>"``."""
+  return ("loc:@" + op.name).encode()
 
 
 def _get_variable(name: str, reuse=None, **kwargs) -> tf.Variable:

@@ -65,6 +65,29 @@ def clear_colocation(op: tf.Operation) -> None:
     op._clear_attr(_COLOCATION)  # pylint: disable=protected-access
 
 
+def colocation(op: tf.Operation) -> List[bytes]:
+  """The groups (``b"loc:@name"``) `op` was colocated with; [] if none.
+
+  Relies on the ``_class`` attr holding them (``colocation_groups()``
+  names the op's own group when it has none). Checked on TensorFlow 1.15.5
+  and 2.12 to 2.21.
+  """
+  if _COLOCATION not in op.node_def.attr:
+    return []
+  return list(op.get_attr(_COLOCATION))
+
+
+def set_colocation(op: tf.Operation, groups: Sequence[bytes]) -> None:
+  """Makes `groups` (``b"loc:@name"`` entries) `op`'s colocation groups, as
+  if it had been made under ``colocate_with`` those ops.
+
+  Relies on ``Operation._set_attr`` setting the ``_class`` attr, which the
+  placer then honours. Checked on TensorFlow 1.15.5 and 2.12 to 2.21.
+  """
+  op._set_attr(_COLOCATION, tf.AttrValue(  # pylint: disable=protected-access
+      list=tf.AttrValue.ListValue(s=list(groups))))
+
+
 def creation_index(op: tf.Operation) -> int:
   """`op`'s place in its graph's creation order: later ops have larger ones.
 
