@@ -1,10 +1,13 @@
-"""Several losses and optimizers on one set of towers: a GAN, exactly.
+"""Several losses and optimizers on one set of towers: a GAN, step by step.
 
-A generator with synchronized batch norm and a discriminator called on real
-and fake data, D trained with Momentum and G with SGD, D step then G step:
-every global variable and both losses against one device running
-``opt_k.minimize(loss_k, var_list=vars_k)`` under the update ops on the
-global batch.
+A generator and a discriminator, each with synchronized batch norm, D
+trained with Momentum and G with SGD (or both with Adam), D step then G
+step: every global variable and both losses against one device running
+``opt_k.minimize(loss_k, var_list=vars_k)`` with its statistics updated in
+place (tf-slim's ``updates_collections=None``). The discriminator tracks the
+real images' statistics only: two updates of one average in one step would
+race, on one device too. Each key's step runs only what its loss goes
+through: the G step needs only ``z`` and leaves D's statistics alone.
 """
 
 import functools
@@ -14,10 +17,16 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import towers
+from towers import _graph
+import models
 from models import config, devices
 
 Z_DIM, X_DIM, HIDDEN = 3, 5, 8
 ITERATIONS = 3
+VAR_LIST = {"d": "discriminator/", "g": "generator/"}
+D_STATISTICS = ["discriminator/bn/moving_mean",
+                "discriminator/bn/moving_variance"]
+G_STATISTICS = ["generator/bn/moving_mean", "generator/bn/moving_variance"]
 
 
 def _initial(name, shape):
@@ -36,35 +45,66 @@ def _dense(x, units, name):
   return tf.matmul(x, w) + b
 
 
-def _generator(z):
+def _bn(x, track, in_place):
+  """Batch norm over the global batch; with `track`, its moving statistics
+  are updated: in place (one device, tf-slim's way) or from UPDATE_OPS."""
+  updates = tf.get_collection_ref(tf.GraphKeys.UPDATE_OPS)
+  before = len(updates)
+  y = towers.batch_normalization(x, training=True, momentum=0.9, name="bn")
+  made = updates[before:]
+  del updates[before:]
+  if not track:
+    # Kept aside, not run (in no collection, towers would take them for a
+    # Keras layer's updates, which nothing runs, and run them).
+    for op in made:
+      tf.add_to_collection("untracked_statistics", op)
+  elif in_place:
+    with tf.control_dependencies(made):
+      return tf.identity(y)
+  else:
+    updates.extend(made)
+  return y
+
+
+def _generator(z, in_place):
   with tf.variable_scope("generator"):
-    h = towers.batch_normalization(_dense(z, HIDDEN, "fc1"), training=True,
-                                   momentum=0.9, name="bn")
+    h = _bn(_dense(z, HIDDEN, "fc1"), True, in_place)
     return tf.tanh(_dense(tf.nn.relu(h), X_DIM, "fc2"))
 
 
-def _discriminator(x):
+def _discriminator(x, track, in_place):
   with tf.variable_scope("discriminator", reuse=tf.AUTO_REUSE):
-    h = tf.nn.leaky_relu(_dense(x, HIDDEN, "fc1"))
-    return _dense(h, 1, "fc2")
+    h = _bn(_dense(x, HIDDEN, "fc1"), track, in_place)
+    return _dense(tf.nn.leaky_relu(h), 1, "fc2")
 
 
-def _xent(labels, logits):
-  return tf.reduce_mean(
-      tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
+def _xent(label, logits):
+  return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+      labels=tf.fill(tf.shape(logits), label), logits=logits))
+
+
+def gan(real, z, in_place=False):
+  """Both losses from one forward pass; the real branch and the generator's
+  own loss term under name scopes of their own, to find their ops."""
+  fake = _generator(z, in_place)
+  with tf.name_scope("real_branch"):
+    d_real = _discriminator(real, True, in_place)
+  d_fake = _discriminator(fake, False, in_place)
+  d_loss = _xent(1.0, d_real) + _xent(0.0, d_fake)
+  with tf.name_scope("g_only"):
+    g_loss = _xent(1.0, d_fake)
+  return {"d": d_loss, "g": g_loss}
 
 
 def gan_fn(scope, real, z):
-  """The tower's two losses from one forward pass."""
   del scope
-  fake = _generator(z)
-  d_real, d_fake = _discriminator(real), _discriminator(fake)
-  d_loss = _xent(tf.ones_like(d_real), d_real) + _xent(
-      tf.zeros_like(d_fake), d_fake)
-  return {"d": d_loss, "g": _xent(tf.ones_like(d_fake), d_fake)}
+  return gan(real, z)
 
 
-def _optimizers():
+def _optimizers(adam=False):
+  if adam:
+    return {"d": tf.train.AdamOptimizer(0.01, beta1=0.5),
+            "g": tf.train.AdamOptimizer(0.02, beta1=0.9)}
   return {"d": tf.train.MomentumOptimizer(0.1, 0.9),
           "g": tf.train.GradientDescentOptimizer(0.2)}
 
@@ -75,72 +115,106 @@ def _data(size):
           rng.randn(size, Z_DIM).astype(np.float32))
 
 
-VAR_LIST = {"d": "discriminator/", "g": "generator/"}
-
-
 def _train(graph, ops, losses, steps=ITERATIONS, num_devices=4):
-  """Runs D step then G step; returns the losses seen and the variables."""
+  """Runs D step then G step, each fetching its own loss; returns the
+  losses seen and the global variables."""
   seen = []
   with tf.Session(graph=graph, config=config(num_devices)) as sess:
     sess.run(tf.global_variables_initializer())
     sess.run(tf.local_variables_initializer())
     for _ in range(steps):
       for key in ops:
-        _, values = sess.run([ops[key], losses])
-        seen.append(values)
+        seen.append(sess.run([ops[key], losses[key]])[1])
     return seen, {v.op.name: sess.run(v) for v in tf.global_variables()}
 
 
+def _one_device_ops(losses, opts):
+  return {key: opts[key].minimize(losses[key], var_list=[
+      v for v in tf.trainable_variables() if v.op.name.startswith(prefix)])
+          for key, prefix in VAR_LIST.items()}
+
+
 @functools.lru_cache(maxsize=None)
-def _reference(size, steps=ITERATIONS):
-  """One device on the global batch, as DCGAN trains it (once per size)."""
+def _reference(size, adam=False, order=None):
+  """One device on the global batch (rows in `order`), as DCGAN trains."""
   real_np, z_np = _data(size)
+  if order is not None:
+    real_np, z_np = real_np[list(order)], z_np[list(order)]
   with tf.Graph().as_default() as graph:
-    losses = gan_fn("", tf.constant(real_np), tf.constant(z_np))
-    opts = _optimizers()
-    ops = {}
-    with tf.control_dependencies(tf.get_collection(tf.GraphKeys.UPDATE_OPS)):
-      for key, prefix in VAR_LIST.items():
-        ops[key] = opts[key].minimize(losses[key], var_list=[
-            v for v in tf.trainable_variables()
-            if v.op.name.startswith(prefix)])
-    return _train(graph, ops, losses, steps)
+    losses = gan(tf.constant(real_np), tf.constant(z_np), in_place=True)
+    assert not tf.get_collection(tf.GraphKeys.UPDATE_OPS)
+    return _train(graph, _one_device_ops(losses, _optimizers(adam)), losses)
 
 
-def _assert_same(got, want, atol=1e-5):
+def _gaps(got, want):
+  """The largest difference of each variable, and of the losses."""
   got_losses, got_vars = got
   want_losses, want_vars = want
   assert sorted(got_vars) == sorted(want_vars)
-  for name, value in want_vars.items():
-    np.testing.assert_allclose(got_vars[name], value, atol=atol, rtol=0,
-                               err_msg=name)
-  for got_step, want_step in zip(got_losses, want_losses):
-    for key in want_step:
-      np.testing.assert_allclose(got_step[key], want_step[key], atol=atol,
-                                 rtol=0, err_msg=key)
+  gaps = {name: float(np.abs(got_vars[name] - value).max())
+          for name, value in want_vars.items()}
+  gaps["losses"] = max(float(np.abs(np.subtract(
+      *[tf.nest.flatten(losses) for losses in (got_losses, want_losses)]
+  )).max()), 0.0)
+  return gaps
+
+
+def _assert_same(got, want, atol=1e-5):
+  gaps = _gaps(got, want)
+  assert max(gaps.values()) <= atol, gaps
 
 
 MODES = [dict(), dict(variable_device="replicated", all_reduce="add_n"),
-         dict(variable_device="replicated", all_reduce="ring")]
-IDS = ["one-copy", "add_n", "ring"]
+         dict(variable_device="replicated", all_reduce="ring"),
+         dict(variable_device="replicated", all_reduce="collective")]
+IDS = ["one-copy", "add_n", "ring", "collective"]
+
+
+def _towers(num, size, opts=None, **kwargs):
+  real_np, z_np = _data(size)
+  kwargs.setdefault("devices", devices(num))
+  return towers.minimize(
+      gan_fn, opts or _optimizers(), num,
+      inputs=(tf.constant(real_np), tf.constant(z_np)), var_list=VAR_LIST,
+      **kwargs)
 
 
 @pytest.mark.parametrize("num,size", [(2, 12), (3, 10)],
                          ids=["2towers-12", "3towers-10-uneven"])
 @pytest.mark.parametrize("mode", MODES, ids=IDS)
 def test_a_gan_trains_d_then_g_as_on_one_device(num, size, mode):
-  real_np, z_np = _data(size)
   with tf.Graph().as_default() as graph:
-    ops, t = towers.minimize(
-        gan_fn, _optimizers(), num, inputs=(tf.constant(real_np),
-                                            tf.constant(z_np)),
-        devices=devices(num), var_list=VAR_LIST, **mode)
+    ops, t = _towers(num, size, **mode)
     assert sorted(ops) == ["d", "g"] and sorted(t.loss) == ["d", "g"]
     assert [v.op.name for _, v in t.grads_and_vars["g"]] == [
         "generator/fc1/w", "generator/fc1/b", "generator/bn/gamma",
         "generator/bn/beta", "generator/fc2/w", "generator/fc2/b"]
     got = _train(graph, ops, t.loss)
   _assert_same(got, _reference(size))
+
+
+# The global batch's rows in other orders: one device's own rounding.
+PERMUTATIONS = [(3, 9, 0, 5, 1, 8, 2, 7, 4, 6), (9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                (1, 0, 3, 2, 5, 4, 7, 6, 9, 8)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=IDS)
+def test_with_adam_the_gap_is_within_one_devices_own_rounding(mode):
+  """Adam divides by the root of a second moment that is near zero where
+  batch norm cancels a gradient (the biases before it): there one device
+  on the same rows in other orders differs by up to 5e-3. Each variable is
+  held to twice the largest such difference, or 1e-5."""
+  with tf.Graph().as_default() as graph:
+    ops, t = _towers(3, 10, opts=_optimizers(adam=True), **mode)
+    got = _train(graph, ops, t.loss)
+  want = _reference(10, adam=True)
+  noise = {}
+  for order in PERMUTATIONS:
+    for name, gap in _gaps(_reference(10, adam=True, order=order),
+                           want).items():
+      noise[name] = max(noise.get(name, 0.0), gap)
+  for name, gap in _gaps(got, want).items():
+    assert gap <= max(2 * noise[name], 1e-5), (name, gap, noise[name])
 
 
 @pytest.mark.parametrize("mode", MODES, ids=IDS)
@@ -153,13 +227,200 @@ def test_the_by_hand_flow_per_loss_is_the_same(mode):
         gan_fn, opts, num, inputs=(tf.constant(real_np), tf.constant(z_np)),
         devices=devices(num), var_list=VAR_LIST, **mode)
     ops = {}
-    with tf.control_dependencies(t.update_ops):
-      for key in ("d", "g"):
-        # The seed's line, per loss: no weights, the towers' own shares.
+    for key in ("d", "g"):
+      # The seed's lines, per loss: no weights, the towers' own shares.
+      with tf.control_dependencies(t.update_ops[key]):
         grads = towers.average_gradients(t.tower_grads[key])
         ops[key] = opts[key].apply_gradients(grads)
     got = _train(graph, ops, t.loss)
   _assert_same(got, _reference(size))
+
+
+def test_each_key_runs_the_updates_its_loss_goes_through():
+  with tf.Graph().as_default():
+    _, t = _towers(2, 12)
+    layers = {key: sorted(op.name.rsplit("/", 2)[0] for op in ops)
+              for key, ops in t.update_ops.items()}
+  # The generator's statistics feed both losses; the real images' only D's.
+  assert layers == {"d": ["tower_0/generator/bn"] * 2 + [
+      "tower_0/real_branch/discriminator/bn"] * 2,
+                    "g": ["tower_0/generator/bn"] * 2}
+
+
+def test_an_update_no_loss_goes_through_runs_with_every_step():
+  counters = []
+
+  def model_fn(scope, real, z):
+    losses = gan_fn(scope, real, z)
+    counters.append(tf.get_variable("counter", [], tf.float32,
+                                    trainable=False,
+                                    initializer=tf.zeros_initializer()))
+    tf.add_to_collection(tf.GraphKeys.UPDATE_OPS,
+                         counters[-1].assign_add(1.0))
+    return losses
+
+  real_np, z_np = _data(12)
+  with tf.Graph().as_default() as graph:
+    ops, t = towers.minimize(
+        model_fn, _optimizers(), 2, inputs=(tf.constant(real_np),
+                                            tf.constant(z_np)),
+        devices=devices(2), var_list=VAR_LIST)
+    assert len(t.update_ops["d"]) == 5 and len(t.update_ops["g"]) == 3
+    with tf.Session(graph=graph, config=config()) as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(ops["d"])
+      sess.run(ops["g"])
+      assert sess.run(counters[0]) == 2.0
+
+
+def _placeholders(size):
+  real = tf.placeholder(tf.float32, [size, X_DIM], name="real")
+  z = tf.placeholder(tf.float32, [None, Z_DIM], name="z")
+  return real, z
+
+
+@pytest.mark.parametrize("mode", MODES, ids=IDS)
+def test_the_g_step_runs_fed_only_z_and_leaves_d_statistics_alone(mode):
+  real_np, z_np = _data(12)
+  with tf.Graph().as_default() as graph:
+    real, z = _placeholders(12)
+    ops, _ = towers.minimize(
+        gan_fn, _optimizers(), 2, inputs=(real, z), devices=devices(2),
+        var_list=VAR_LIST, **mode)
+    variables = {v.op.name: v for v in tf.global_variables()}
+    with tf.Session(graph=graph, config=config()) as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(tf.local_variables_initializer())
+      sess.run(ops["d"], {real: real_np, z: z_np})
+      before = sess.run(variables)
+      for _ in range(2):
+        sess.run(ops["g"], {z: z_np})
+      after = sess.run(variables)
+  for name in D_STATISTICS:
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+  for name in G_STATISTICS:
+    assert not np.array_equal(after[name], before[name]), name
+
+
+def test_each_step_launches_its_collectives_in_one_order_on_each_device():
+  """A step waits for no collective another step alone runs, and launches
+  its own one after another on each device (two launched in opposite
+  orders on two GPUs would hang NCCL)."""
+  with tf.Graph().as_default():
+    real, z = _placeholders(12)
+    ops, _ = towers.minimize(
+        gan_fn, _optimizers(), 2, inputs=(real, z), devices=devices(2),
+        var_list=VAR_LIST, variable_device="replicated",
+        all_reduce="collective")
+    runs = {key: _graph.upstream([op]) for key, op in ops.items()}
+    for key, ran in runs.items():
+      assert (real.op in ran) == (key == "d"), key
+      members = [op for op in ran if models.is_collective_reduce(op)]
+      assert len(members) >= 8, key
+      for device in devices(2):
+        mine = [op for op in members if op.device == device]
+        before = {op: _graph.upstream([op]) for op in mine}
+        for a in mine:
+          for b in mine:
+            assert a is b or a in before[b] or b in before[a], (key, a, b)
+
+
+def test_a_loss_fetched_with_the_other_keys_step_is_the_one_before_it():
+  def run(ops, losses):
+    with tf.Session(config=config()) as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(tf.local_variables_initializer())
+      sess.run(ops["d"])
+      return [sess.run([ops["g"], losses])[1] for _ in range(2)]
+
+  real_np, z_np = _data(12)
+  with tf.Graph().as_default():
+    losses = gan(tf.constant(real_np), tf.constant(z_np), in_place=True)
+    want = run(_one_device_ops(losses, _optimizers()), losses)
+  with tf.Graph().as_default():
+    ops, t = _towers(2, 12)
+    got = run(ops, t.loss)
+  for got_step, want_step in zip(got, want):
+    for key in ("d", "g"):
+      np.testing.assert_allclose(got_step[key], want_step[key], atol=1e-5,
+                                 rtol=0, err_msg=key)
+
+
+def _executed(sess, fetch, feed=None):
+  """The names of the nodes one run of `fetch` executed."""
+  metadata = tf.RunMetadata()
+  sess.run(fetch, feed, options=tf.RunOptions(
+      trace_level=tf.RunOptions.FULL_TRACE), run_metadata=metadata)
+  return [node.node_name for dev in metadata.step_stats.dev_stats
+          for node in dev.node_stats if not node.node_name.startswith("_")]
+
+
+def _counts(graph, ops, feeds):
+  with tf.Session(graph=graph, config=config(grappler=False)) as sess:
+    sess.run(tf.global_variables_initializer())
+    sess.run(tf.local_variables_initializer())
+    return {key: _executed(sess, ops[key], feeds[key]) for key in ops}
+
+
+def test_each_step_runs_its_own_loss_only_and_no_more_than_one_device():
+  real_np, z_np = _data(12)
+  with tf.Graph().as_default() as graph:
+    real, z = _placeholders(12)
+    losses = gan(real, z, in_place=True)
+    feeds = {"d": {real: real_np, z: z_np}, "g": {z: z_np}}
+    alone = _counts(graph, _one_device_ops(losses, _optimizers()), feeds)
+  with tf.Graph().as_default() as graph:
+    real, z = _placeholders(12)
+    ops, _ = towers.minimize(gan_fn, _optimizers(), 2, inputs=(real, z),
+                             devices=devices(2), var_list=VAR_LIST)
+    feeds = {"d": {real: real_np, z: z_np}, "g": {z: z_np}}
+    ran = _counts(graph, ops, feeds)
+  for key, unwanted in (("d", "/g_only/"), ("g", "/real_branch/")):
+    assert not [n for n in ran[key] if unwanted in n], key
+    assert not [n for n in alone[key] if unwanted in n], key
+    # Each tower does one device's forward and backward pass, or less.
+    for tower in ("tower_0/", "tower_1/"):
+      mine = [n for n in ran[key] if n.startswith(tower)]
+      assert len(mine) <= len(alone[key]), (key, tower, len(mine),
+                                            len(alone[key]))
+
+
+@pytest.mark.parametrize("order", [("d", "g"), ("g", "d")], ids=["dg", "gd"])
+def test_optimizer_variables_are_named_in_the_order_of_the_keys(order):
+  """The keys' order is the order the optimizers make their variables:
+  each Adam's beta powers get the names one device gives them when it
+  calls minimize in that order."""
+  def trained(graph, ops):
+    with tf.Session(graph=graph, config=config()) as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(tf.local_variables_initializer())
+      for _ in range(2):
+        for key in ops:
+          sess.run(ops[key])
+      return {v.op.name: sess.run(v) for v in tf.global_variables()
+              if "power" in v.op.name}
+
+  real_np, z_np = _data(12)
+  with tf.Graph().as_default() as graph:
+    losses = gan(tf.constant(real_np), tf.constant(z_np), in_place=True)
+    opts = _optimizers(adam=True)
+    ops = {}
+    for key in order:
+      ops[key] = opts[key].minimize(losses[key], var_list=[
+          v for v in tf.trainable_variables()
+          if v.op.name.startswith(VAR_LIST[key])])
+    want = trained(graph, ops)
+  with tf.Graph().as_default() as graph:
+    adam = _optimizers(adam=True)
+    ops, _ = _towers(2, 12, opts={key: adam[key] for key in order})
+    got = trained(graph, ops)
+  assert sorted(got) == sorted(want) == [
+      "beta1_power", "beta1_power_1", "beta2_power", "beta2_power_1"]
+  # beta1 is 0.5 for D and 0.9 for G: each name holds the same Adam's.
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
+  assert got["beta1_power"] == pytest.approx(
+      {"d": 0.5, "g": 0.9}[order[0]] ** 3)
 
 
 def test_a_callable_var_list_is_resolved_after_tower_0_made_the_variables():
@@ -176,7 +437,7 @@ def test_a_callable_var_list_is_resolved_after_tower_0_made_the_variables():
                                           tf.constant(z_np)),
         devices=devices(3), var_list={"d": discriminator_variables,
                                       "g": "generator/"})
-    assert made == [10]  # Called once, with every variable made.
+    assert made == [12]  # Called once, with every variable made.
     got = _train(graph, ops, t.loss)
   _assert_same(got, _reference(10))
 
@@ -214,7 +475,7 @@ def test_one_op_of_g_then_d_is_tensorpacks_step():
     with tf.control_dependencies(update_ops):
       g_op = apply("g", grads_of("g"))
       with tf.control_dependencies([g_op]):
-        return {"gd": apply("d", grads_of("d"))}, losses
+        return {"gd": apply("d", grads_of("d"))}, {"gd": losses}
 
   with tf.Graph().as_default() as graph:
     opts = _optimizers()
@@ -233,9 +494,10 @@ def test_one_op_of_g_then_d_is_tensorpacks_step():
         gan_fn, opts, 3, inputs=(tf.constant(real_np), tf.constant(z_np)),
         devices=devices(3), var_list=VAR_LIST,
         variable_device="replicated", all_reduce="ring")
-    # Tower 0's update ops: the collection holds every tower's.
+    # Tower 0's update ops D's loss goes through: all of them here (the
+    # collection holds every tower's).
     got = _train(graph, *build(
-        t.loss, t.update_ops,
+        t.loss, t.update_ops["d"],
         lambda key: towers.average_gradients(t.tower_grads[key], t.weights),
         lambda key, grads: opts[key].apply_gradients(grads)))
   _assert_same(got, want)

@@ -12,6 +12,7 @@ from towers import _device_check
 from towers import _devices
 from towers import _inputs
 from towers import _isolation
+from towers import _loss_paths
 from towers import _losses
 from towers import _placement
 from towers import _precision
@@ -28,8 +29,8 @@ Towers = collections.namedtuple("Towers", [
     "loss_scale", "batch_size", "applies"])
 Towers.__doc__ = """What `build_towers` built.
 
-Fields (with a dict of losses, those of losses, gradients and their
-updates are dicts by loss: ``tower_grads["d"]``, ``loss["g"]``):
+Fields (with a dict of losses, those of losses, gradients, summaries and
+updates are dicts by loss: ``tower_grads["d"]``, ``update_ops["g"]``):
   losses: ``[num_towers]`` scalar loss tensors, one per tower.
   loss: the towers' losses averaged with `weights`: the global batch's.
   tower_grads: ``[num_towers][num_vars]`` of ``(grad, var)``, each tower's
@@ -38,9 +39,10 @@ updates are dicts by loss: ``tower_grads["d"]``, ``loss["g"]``):
     scalar float64 tensors (cast to each gradient's dtype), summing to 1.
   scopes: ``[num_towers]`` name scopes, such as ``'tower_0/'``.
   devices: ``[num_towers]`` device strings the towers were built on.
-  summaries: the final tower's ``SUMMARIES`` (as the original keeps).
+  summaries: the final tower's ``SUMMARIES`` (as the original keeps); by
+    loss, each under the first key whose step computes what it reads.
   update_ops: the first tower's ``UPDATE_OPS`` (batch-norm statistics, as
-    tf-slim runs them).
+    tf-slim runs them); by loss, those whose statistics feed the loss.
   outputs: ``[num_towers]`` of what `model_fn` returned beside its loss
     (None where it returned the loss alone).
   grads_and_vars: from `minimize`, the averaged (and clipped) ``(grad, var)``
@@ -147,12 +149,17 @@ def build_towers(model_fn: Callable[..., object],
     for loss in losses.values():
       _device_check.gate(loss, check)
     # Tower 0's batch-norm updates stand for all (tf-slim's choice): running
-    # every tower's would apply N updates per step.
-    update_ops = tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope) \
-        if index == 0 else []
+    # every tower's would apply N updates per step. Each loss's step runs
+    # those its loss goes through, as one device's would.
+    update_ops = _loss_paths.by_key(
+        tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope) if index == 0
+        else [], losses, made_by_model)
     # Only the final tower's summaries are kept: the towers' would share
-    # tags once the tower prefix is stripped.
-    summaries = tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
+    # tags once the tower prefix is stripped. Each goes with the first loss
+    # whose step computes what it reads.
+    summaries = _loss_paths.by_key(
+        tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
+        if index == num_gpus - 1 else [], losses, made_by_model, first=True)
     if index == 0:
       var_lists.update(_losses.resolve(entries))
     grads = {}
@@ -171,11 +178,23 @@ def build_towers(model_fn: Callable[..., object],
       _regularization.split(grads[key], made, terms)
     return losses, output, grads, update_ops, summaries
 
+  def steps(results) -> List[List[object]]:
+    # What each loss's step runs: its losses, gradients and update ops.
+    found = []
+    for key in keys:
+      roots: List[object] = []
+      for losses, _, grads, updates, _ in results:
+        roots += [losses[key]] + list(updates[key]) + [
+            g for g, _ in grads[key] if g is not None]
+      found.append(roots)
+    return found
+
   built = _tower_loop.build_each_tower(
       tower, num_gpus, inputs=inputs, devices=devices,
       variable_device=variable_device, tower_name=tower_name,
       compute_dtype=compute_dtype, stage_inputs=stage_inputs,
-      all_reduce=all_reduce if replicated else "auto")
+      all_reduce=all_reduce if replicated else "auto",
+      steps=steps if len(keys) > 1 else None)
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
   by_key = {key: [each[key] for each in losses] for key in keys}
   grads_by_key = {key: [each[key] for each in tower_grads] for key in keys}
@@ -193,8 +212,10 @@ def build_towers(model_fn: Callable[..., object],
   return Towers(losses=_losses.unwrap(by_key), loss=_losses.unwrap(means),
                 tower_grads=_losses.unwrap(grads_by_key),
                 weights=built.weights, scopes=built.scopes,
-                devices=built.devices, summaries=summaries[-1],
-                update_ops=update_ops[0], outputs=list(outputs),
+                devices=built.devices,
+                summaries=_losses.unwrap(summaries[-1]),
+                update_ops=_losses.unwrap(update_ops[0]),
+                outputs=list(outputs),
                 grads_and_vars=None,
                 all_reduce=all_reduce if replicated else None,
                 loss_scale=None, batch_size=built.batch_size, applies=None)

@@ -21,7 +21,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow.compat.v1 as tf
 
 from towers import _devices
+from towers import _graph
 from towers import _state
+from towers import _tf_internals
 from towers import _tf_versions
 from towers import _workers
 
@@ -73,27 +75,73 @@ class LaunchOrder:
   """The last collective launched on each device, for the next to wait for.
 
   One per set of towers: their cross-tower sums, then their gradients'
-  all-reduce (which `continued` starts from where the sums left off).
+  all-reduce (which `continued` starts from where the sums left off). A
+  set of towers defers the order of its sums (`deferred`) until `seal`
+  knows which step runs each: with several losses, a step must not wait
+  for a sum only another loss's step runs (and for that loss's inputs).
   """
 
-  def __init__(self, last: Optional[Dict[str, tf.Operation]] = None):
+  def __init__(self, last: Optional[Dict[str, tf.Operation]] = None,
+               deferred: bool = False):
     self._last: Dict[str, tf.Operation] = dict(last or {})
+    # Deferred: each device's members, in the order made; sealed: each
+    # member's place in its device's order.
+    self._made: Optional[Dict[str, List[tf.Operation]]] = (
+        {} if deferred else None)
+    self._rank: Dict[tf.Operation, int] = {}
 
   def __bool__(self) -> bool:
     return bool(self._last)
 
-  def continued(self) -> "LaunchOrder":
-    """A new order whose first collectives wait for this one's last."""
-    return LaunchOrder(self._last)
+  def continued(self, tensors: Sequence[object] = ()) -> "LaunchOrder":
+    """A new order whose first collectives wait for this one's last: of
+    those running `tensors` runs, when steps run different ones."""
+    if not self._rank:
+      return LaunchOrder(self._last)
+    ran = _graph.upstream(tensors)
+    last = {}
+    for device, ops in (self._made or {}).items():
+      mine = [op for op in ops if op in ran]
+      if mine:
+        last[device] = max(mine, key=self._rank.__getitem__)
+    return LaunchOrder(last)
 
   def launch(self, device: str, build: Callable[[], tf.Tensor],
              after: Sequence[tf.Operation] = ()) -> tf.Tensor:
     """Builds ``build()`` on `device` after the device's last collective
     (and `after`), and makes it the device's last."""
     spelled = _devices.canonical(device)
-    previous = self._last.get(spelled)
+    previous = self._last.get(spelled) if self._made is None else None
     waits = ([previous] if previous is not None else []) + list(after)
     with tf.device(device), tf.control_dependencies(waits):
       output = build()
     self._last[spelled] = output.op
+    if self._made is not None:
+      self._made.setdefault(spelled, []).append(output.op)
     return output
+
+  def seal(self, steps: Optional[Sequence[Sequence[object]]] = None) -> None:
+    """Orders the deferred members on each device, so that every step
+    launches those it runs in one order and waits for no other.
+
+    `steps` are the roots of each step (a loss's losses, gradients and
+    update ops); None is one step running them all, in the order made. A
+    member that more steps run comes first (what it reads, those steps run
+    too); each waits for the last before it of every step that runs it.
+    """
+    runs = [_graph.upstream(roots) for roots in steps] if steps else []
+    for device, ops in (self._made or {}).items():
+      made = {op: i for i, op in enumerate(ops)}
+      # A member no step runs gets a step of its own, last.
+      keys = {op: tuple(i for i, ran in enumerate(runs) if op in ran) or (
+          len(runs),) for op in ops}
+      ordered = sorted(ops, key=lambda op: (-len(keys[op]), keys[op],
+                                            made[op]))
+      last: Dict[int, tf.Operation] = {}
+      for rank, op in enumerate(ordered):
+        if len(runs) > 1:
+          self._rank[op] = rank
+        for previous in {last[k] for k in keys[op] if k in last}:
+          _tf_internals.add_control_input(op, previous)
+        last.update((k, op) for k in keys[op])
+      self._last[device] = ordered[-1]

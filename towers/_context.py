@@ -202,7 +202,7 @@ class TowerSet:
     self._members: List[Dict[int, Union[tf.Operation, tf.Tensor]]] = []
     self._results: List[Dict[int, tf.Operation]] = []
     self._calls = [0] * len(devices)
-    self.order = _collectives.LaunchOrder()
+    self.order = _collectives.LaunchOrder(deferred=True)
 
   @contextlib.contextmanager
   def tower(self, index: int, scope: str, share: Share) -> Iterator[None]:
@@ -216,10 +216,11 @@ class TowerSet:
     finally:
       state.building = None
 
-  def finish(self, start: int) -> None:
-    """Ends the set, whose towers made the ops after op `start`: their
-    gradients' all-reduce will continue the sums' launch order
-    (`launch_order_of`).
+  def finish(self, start: int,
+             steps: Optional[Sequence[Sequence[object]]] = None) -> None:
+    """Ends the set, whose towers made the ops after op `start`: orders its
+    sums for `steps` (`LaunchOrder.seal`); their gradients' all-reduce
+    will continue that order (`launch_order_of`).
 
     Raises:
       ValueError: if the towers built different numbers of cross-tower sums.
@@ -236,6 +237,7 @@ class TowerSet:
           "`if context.index == 0`)" % (
               _tower(self.scopes[most], most), self._calls[most],
               _tower(self.scopes[fewest], fewest), self._calls[fewest]))
+    self.order.seal(steps)
     if self.order:
       orders = _state.of(self.graph).launch_orders
       orders.update((op, self.order) for op in _tf_internals.made_after(start))
@@ -381,7 +383,7 @@ def launch_order_of(tensors: Sequence[object]) -> _collectives.LaunchOrder:
     op = tensor if isinstance(tensor, tf.Operation) else getattr(
         tensor, "op", None)
     if op in orders:
-      return orders[op].continued()
+      return orders[op].continued(tensors)
   return _collectives.LaunchOrder()
 
 

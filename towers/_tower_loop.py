@@ -41,7 +41,10 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
                      tower_name: str, allow_empty: bool = False,
                      compute_dtype: _precision.ComputeDtype = None,
                      stage_inputs: bool = False,
-                     all_reduce: str = "auto") -> BuiltTowers:
+                     all_reduce: str = "auto",
+                     steps: Optional[Callable[[List[object]],
+                                              List[List[object]]]] = None
+                    ) -> BuiltTowers:
   """Calls ``tower_fn(index, scope, batch, check)`` once in each tower.
 
   The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
@@ -57,7 +60,9 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   with `stage_inputs`, every tower's batch is read first, tower after tower,
   and the towers are built on the staged batches (`_staging.stage`).
   `all_reduce`, the replicated towers' algorithm, decides with the devices
-  how their cross-tower sums are built (`_context.TowerSet`).
+  how their cross-tower sums are built (`_context.TowerSet`); `steps`, given
+  the results, returns the roots of each step that will run part of them
+  (several losses), for the order the sums launch in.
 
   Returns:
     A `BuiltTowers`: ``[num_towers]`` results of `tower_fn`, the scopes, the
@@ -147,7 +152,7 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
         raise _unshared_variable_error(trainable[known], scope)
     scopes.append(scope)
     batches.append(batch)
-  tower_set.finish(start)
+  tower_set.finish(start, steps(results) if steps else None)
   if copies_start:
     copies_start.finish(_devices.host(devices[0]),
                         _copies.of_towers(range(1, num_towers)))

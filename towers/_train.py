@@ -92,9 +92,7 @@ def minimize(model_fn: Callable[..., object],
           "no variable has a gradient%s: none of %s reaches the towers' loss%s"
           % (_losses.named(key), ", ".join(
               v.name for _, v in tower_grads[key][0]), _losses.named(key)))
-  # Every step waits for every loss: one fetched with any step is the loss
-  # before its update.
-  every_loss = [loss for key in keys for loss in losses[key]]
+  update_ops = _losses.keyed(towers.update_ops, keys)
   applied: Dict[_losses.Key, _gradients.GradsAndVars] = {}
   train_ops: Dict[_losses.Key, tf.Operation] = {}
   applies = tf.constant(True, name="applies")
@@ -109,9 +107,10 @@ def minimize(model_fn: Callable[..., object],
       # than wrapping apply_gradients in control_dependencies: optimizers
       # such as SyncReplicasOptimizer build queues inside apply_gradients,
       # and a queue that depended on the towers would pull an input batch
-      # whenever its queue runner touched it.
+      # whenever its queue runner touched it. Each loss's step runs what
+      # its loss goes through and nothing else, as one device's minimize.
       train_ops[key] = step(tower_grads[key], towers.weights,
-                            list(towers.update_ops) + every_loss)
+                            list(update_ops[key]) + losses[key])
     else:
       train_ops[key], applies = _accumulate.accumulate_gradients(
           towers, step, steps)
