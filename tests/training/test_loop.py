@@ -273,6 +273,60 @@ def test_a_dict_of_train_ops_runs_each_in_turn_as_one_step(tmp_path,
   assert reader.get_tensor("global_step") == 3
 
 
+def test_each_key_of_a_dict_reads_only_its_own_inputs_and_summaries(
+    tmp_path, logs):
+  # Loss "a" reads the pipeline, "b" does not: "b"'s run, its step line and
+  # its summaries pull no batch. The pipeline holds exactly the batches of
+  # three steps (two towers, one each), so one extra read would end the
+  # training early.
+  train_dir = str(tmp_path / "train")
+  with tf.Graph().as_default():
+    batches = tf.data.Dataset.from_tensor_slices(
+        tf.reshape(tf.range(12.0), [6, 2, 1]))
+    iterator = tf.data.make_one_shot_iterator(batches)
+
+    def model_fn(scope, x):
+      del scope
+      a = tf.get_variable("a", [], initializer=tf.zeros_initializer())
+      b = tf.get_variable("b", [], initializer=tf.zeros_initializer())
+      tf.summary.scalar("x_mean", tf.reduce_mean(x))
+      return {"a": tf.reduce_mean(tf.square(x - a)),
+              "b": tf.square(b - 2.0)}
+
+    global_step = tf.train.get_or_create_global_step()
+    opts = {key: tf.train.GradientDescentOptimizer(0.1) for key in "ab"}
+    train_ops, t = towers.minimize(model_fn, opts, 2,
+                                   inputs=iterator.get_next,
+                                   devices=["/cpu:0", "/cpu:1"],
+                                   var_list={"a": "a", "b": "b"},
+                                   global_step=global_step)
+    summary_op = training.training_summaries(t)
+    assert sorted(summary_op) == ["a", "b"]
+    assert training.train(
+        train_ops, t, train_dir=train_dir, max_steps=3, examples_per_step=4,
+        config=towers.virtual_cpu_config(2), log_every_n_steps=1,
+        summary_op=summary_op, save_summaries_steps=1) == 3
+  lines = [m for m in logs() if m.startswith("step ")]
+  assert len(lines) == 3 and all(
+      re.match(r"step \d, loss a = \d+\.\d+, b = \d+\.\d+ \(", m)
+      for m in lines), lines
+  found = _summaries(train_dir)
+  for tag in ["loss/a", "loss/b", "a", "a/gradients", "b", "b/gradients",
+              "tower_1/x_mean"]:
+    assert sorted(found.get(tag, [])) == [1, 2, 3], (tag, found)
+
+
+def test_summaries_under_keys_the_train_ops_lack_are_refused(tmp_path):
+  with tf.Graph().as_default():
+    op = tf.no_op()
+    with pytest.raises(ValueError, match=r"summary_op is a dict with the "
+                       r"keys 'c', but the train ops' keys are 'a', 'b'"):
+      training.train({"a": op, "b": op}, None, train_dir=str(tmp_path),
+                     max_steps=1, examples_per_step=1,
+                     summary_op={"c": tf.constant(b"")})
+  assert not os.listdir(tmp_path)
+
+
 def test_a_dict_of_train_ops_with_parameter_servers_is_refused(tmp_path):
   # A real worker task of a cluster with one ps, both served here.
   ps_port, worker_port = training.free_ports(2)

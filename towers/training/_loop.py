@@ -31,7 +31,7 @@ class Interrupted(Exception):
 def train(train_op: Union[tf.Operation, Dict[str, tf.Operation]],
           t: towers.Towers, *, train_dir: str,
           max_steps: int, examples_per_step: float,
-          summary_op: Optional[tf.Tensor] = None,
+          summary_op: Union[None, tf.Tensor, Dict[str, tf.Tensor]] = None,
           config: Optional[tf.ConfigProto] = None,
           log_every_n_steps: int = 10, save_checkpoint_secs: int = 60,
           save_checkpoint_steps: Optional[int] = None,
@@ -54,10 +54,12 @@ def train(train_op: Union[tf.Operation, Dict[str, tf.Operation]],
 
   Args:
     train_op, t: the step and its `towers.Towers` (`towers.minimize`'s);
-      a dict of train ops (several losses) runs them in turn, one run each.
+      a dict of train ops (several losses) runs them in turn, one run each
+      fetching its own loss.
     train_dir, max_steps: the checkpoints' directory; the step to stop at.
     examples_per_step: the examples of one update, for the step line.
-    summary_op, config, hooks: the summaries, session config, more hooks.
+    summary_op, config, hooks: the summaries (with several losses, a dict
+      by key, each run with its key's op), session config, more hooks.
     log_every_n_steps, save_*: how often to log, save and summarize.
     task, optimizer, stall_log_secs: a cluster's, see above and `Watchdog`.
 
@@ -67,10 +69,18 @@ def train(train_op: Union[tf.Operation, Dict[str, tf.Operation]],
   Raises:
     TrainDirError: for a training directory it cannot train in.
     Interrupted: after SIGTERM or SIGINT, once the chief has saved.
-    ValueError: for a dict of train ops with parameter servers.
+    ValueError: for a dict of train ops with parameter servers, or of
+      summaries under keys the train ops do not have.
     FloatingPointError: if the loss becomes NaN.
     PeerLost: when a step fails or stalls on another task.
   """
+  if isinstance(summary_op, dict) and not set(summary_op) <= set(
+      train_op if isinstance(train_op, dict) else [None]):
+    raise ValueError(
+        "summary_op is a dict with the keys %s, but the train ops' keys are "
+        "%s: pass a summary op (or a dict of them) for the train ops' keys"
+        % (", ".join(map(repr, summary_op)), ", ".join(map(repr, train_op))
+           if isinstance(train_op, dict) else "none (one train op)"))
   if isinstance(train_op, dict) and task is not None and not task.collective:
     raise ValueError(
         "train runs a dict of train ops (%s) as one step of several session "
@@ -125,26 +135,45 @@ def _run(train_op, t, directory: _traindir.TrainDir, *, max_steps,
          hooks, task, local_init_op, watchdog) -> int:
   """The session and its loop; see `train`."""
   train_dir = directory.path
-  ops = list(train_op.values()) if isinstance(train_op, dict) else [train_op]
+  ops = dict(train_op) if isinstance(train_op, dict) else {None: train_op}
+  summaries = dict(summary_op) if isinstance(summary_op, dict) else {
+      list(ops)[-1]: summary_op}
+  *earlier, last = list(ops)
+  is_chief = task is None or task.is_chief
+  logger = _progress.StepLoggerHook(
+      t, examples_per_step, every_n_steps=log_every_n_steps,
+      count_locally=task is None or task.collective)
+  # The summaries of keys before the last, run with their own train ops
+  # when the last key's (the hooked run's) are due.
+  due = tf.train.SecondOrStepTimer(every_steps=save_summaries_steps) if (
+      is_chief and save_summaries_steps) else None
 
   def run_step(step_context):
-    # A step of several losses runs their train ops in turn; the hooks see
-    # the last run, which counts the global step.
-    for op in ops[:-1]:
-      step_context.session.run(op)
-    step_context.run_with_hooks(ops[-1])
+    # A step of several losses runs their train ops in turn, each fetching
+    # its own loss and summaries (what its loss goes through, no other
+    # key's inputs); the hooks see the last run, which counts the step.
+    step = logger.step + 1
+    write = due is not None and due.should_trigger_for_step(step)
+    for key in earlier:
+      fetches = {"loss": t.loss[key]}
+      if write and summaries.get(key) is not None:
+        fetches["summary"] = summaries[key]
+      values = step_context.session.run([ops[key], fetches])[1]
+      logger.record({key: values["loss"]})
+      if "summary" in values:
+        tf.summary.FileWriterCache.get(train_dir).add_summary(
+            values["summary"], step)
+    if write:
+      due.update_last_triggered_step(step)
+    step_context.run_with_hooks(ops[last])
 
-  is_chief = task is None or task.is_chief
   # Collective mode cannot recover a session: a lost peer's collectives
   # cannot be replayed, so every worker stops instead.
   recover = task is None or not task.collective
   saver = directory.saver()
-  scaffold = tf.train.Scaffold(summary_op=summary_op, saver=saver,
+  scaffold = tf.train.Scaffold(summary_op=summaries.get(last), saver=saver,
                                local_init_op=local_init_op)
   global_step = tf.train.get_global_step()
-  logger = _progress.StepLoggerHook(
-      t, examples_per_step, every_n_steps=log_every_n_steps,
-      count_locally=task is None or task.collective)
   signals = _signals.StopOnSignalHook()
   all_hooks = [tf.train.StopAtStepHook(last_step=max_steps), logger, signals]
   all_hooks += hooks + ([watchdog] if watchdog is not None else [])
@@ -167,12 +196,12 @@ def _run(train_op, t, directory: _traindir.TrainDir, *, max_steps,
           save_checkpoint_secs=None if save_checkpoint_steps else
           save_checkpoint_secs,
           save_checkpoint_steps=save_checkpoint_steps,
-          save_summaries_steps=save_summaries_steps if summary_op is not None
-          else None,
+          save_summaries_steps=save_summaries_steps
+          if summaries.get(last) is not None else None,
           stop_grace_period_secs=120 if task is None else 5) as sess:
         while not sess.should_stop() and signals.received is None:
-          if len(ops) == 1:
-            sess.run(ops[0])
+          if not earlier:
+            sess.run(ops[last])
           else:
             sess.run_step_fn(run_step)
         if watchdog is not None:

@@ -10,8 +10,7 @@ import towers
 
 
 def training_summaries(t: towers.Towers,
-                       learning_rate: Optional[tf.Tensor] = None
-                      ) -> tf.Tensor:
+                       learning_rate: Optional[tf.Tensor] = None) -> Any:
   """Merges the towers' summaries, the loss and the variables' histograms.
 
   The final tower's summaries (`towers.Towers.summaries`), scalars of the
@@ -20,8 +19,10 @@ def training_summaries(t: towers.Towers,
   variable's name. Under loss scaling a gradient's histogram holds its
   finite values only (an overflow step is skipped, not an error). With
   accumulated micro-batches the gradients' histograms are written by the
-  runs that apply them. Pass the result as the scaffold's ``summary_op``: it
-  runs in the same `sess.run` as the step, reading no extra batch.
+  runs that apply them. Pass the result as `train`'s ``summary_op`` (or the
+  scaffold's): it runs in the same `sess.run` as the step, reading no extra
+  batch. With several losses it is a dict by key, each key's to run with its
+  own train op (`learning_rate` in the last key's).
 
   Args:
     t: the `towers.Towers` of `towers.minimize` (or of `build_towers`, whose
@@ -29,41 +30,52 @@ def training_summaries(t: towers.Towers,
     learning_rate: a scalar tensor, or None.
 
   Returns:
-    A string tensor: the merged ``Summary``.
+    A string tensor: the merged ``Summary``; a dict of them by key with
+    several losses.
   """
   # Explicit tags: tf.summary.* derive the tag from a uniquified op name, so
   # a tag equal to an existing op's name ("conv1/weights") would become
   # "conv1/weights_1".
   with tf.name_scope("training_summaries"):
-    summaries = list(t.summaries)
-    if learning_rate is not None:
-      summaries.append(_scalar("learning_rate", learning_rate))
+    losses = _by_loss(t.loss)
+    tower_summaries = _by_loss(t.summaries)
     scales = {} if t.loss_scale is None else _by_loss(t.loss_scale)
-    for name, by_key in (("loss", _by_loss(t.loss)), ("loss_scale", scales)):
-      summaries.extend(_scalar(name if key is None else "%s/%s" % (name, key),
-                               value) for key, value in by_key.items())
-    gradients = []
-    for key, pairs in _by_loss(t.grads_and_vars or []).items():
-      for grad, var in pairs:
-        summaries.append(_histogram(var.op.name, var))
-        if grad is not None:
-          values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-          if key in scales:
-            values = tf.boolean_mask(values, tf.is_finite(values))
-          gradients.append((var.op.name + "/gradients", values))
+    pairs = _by_loss(t.grads_and_vars or {key: [] for key in losses})
+    merged = {}
+    for key in losses:
+      summaries = list(tower_summaries[key])
+      if learning_rate is not None and key == list(losses)[-1]:
+        summaries.append(_scalar("learning_rate", learning_rate))
+      for name, values in (("loss", losses), ("loss_scale", scales)):
+        if key in values:
+          summaries.append(_scalar(
+              name if key is None else "%s/%s" % (name, key), values[key]))
+      summaries.extend(_histograms(t, pairs[key], key in scales))
+      merged[key] = tf.summary.merge(summaries)
+    return merged[None] if list(merged) == [None] else merged
 
-    def gradient_histograms() -> List[tf.Tensor]:
-      return [_histogram(tag, values) for tag, values in gradients]
 
-    applies = _applies(t)
-    if applies is None or not gradients:
-      summaries.extend(gradient_histograms())
-    else:
-      # An empty Summary where the run does not apply.
-      summaries.append(tf.cond(
-          applies, lambda: tf.summary.merge(gradient_histograms()),
-          lambda: tf.constant(b"")))
-    return tf.summary.merge(summaries)
+def _histograms(t: towers.Towers, pairs, scaled: bool) -> List[tf.Tensor]:
+  """Each variable's histogram and its averaged gradient's."""
+  summaries, gradients = [], []
+  for grad, var in pairs:
+    summaries.append(_histogram(var.op.name, var))
+    if grad is not None:
+      values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+      if scaled:
+        values = tf.boolean_mask(values, tf.is_finite(values))
+      gradients.append((var.op.name + "/gradients", values))
+
+  def gradient_histograms() -> List[tf.Tensor]:
+    return [_histogram(tag, values) for tag, values in gradients]
+
+  applies = _applies(t)
+  if applies is None or not gradients:
+    return summaries + gradient_histograms()
+  # An empty Summary where the run does not apply.
+  return summaries + [tf.cond(
+      applies, lambda: tf.summary.merge(gradient_histograms()),
+      lambda: tf.constant(b""))]
 
 
 def _by_loss(value) -> Dict[Optional[str], Any]:
@@ -94,7 +106,8 @@ class StepLoggerHook(tf.train.SessionRunHook):
   counts `examples_per_step`, and sec/batch is the step's time over the
   number of towers, as in the tutorial. Under loss scaling the line ends
   with ``, loss scale = %g``; several losses show as ``loss d = %.2f, g =
-  %.2f``. With accumulated micro-batches a step is a run
+  %.2f``: the last key's from the run this hook sees, the others' as
+  `record` gets them. With accumulated micro-batches a step is a run
   that applies an update (`towers.Towers.applies`), and the loss is that
   run's micro-batch's. Needs the graph's global step. Logs through
   TensorFlow's logger: ``tf.logging.set_verbosity(tf.logging.INFO)`` shows it.
@@ -115,7 +128,12 @@ class StepLoggerHook(tf.train.SessionRunHook):
   def __init__(self, t: towers.Towers, examples_per_step: float, *,
                every_n_steps: int = 10, count_locally: bool = True):
     self._applies = _applies(t)
-    self._loss = t.loss
+    losses = _by_loss(t.loss)
+    # Each key's loss as fetched with its own train op: the last key's in
+    # the run hooked, the others' from their own runs (`record`).
+    self._last = list(losses)[-1]
+    self._loss = losses[self._last]
+    self._recorded: Dict[Optional[str], Any] = {}
     self._loss_scale = t.loss_scale
     self._global_step = None
     self._examples_per_step = examples_per_step
@@ -130,6 +148,22 @@ class StepLoggerHook(tf.train.SessionRunHook):
   def step(self) -> int:
     """The global step after the last step this hook saw."""
     return self._step
+
+  def record(self, losses: Dict[Any, Any]) -> None:
+    """Takes this step's losses of keys before the last, each fetched with
+    its own train op (`train` passes them); raises FloatingPointError for a
+    NaN one."""
+    self._check(losses)
+    self._recorded.update(losses)
+
+  def _check(self, losses: Dict[Optional[str], Any]) -> None:
+    for key, value in losses.items():
+      if math.isnan(float(value)):
+        raise FloatingPointError(
+            "loss%s is NaN at step %d: training stopped, nothing saved from "
+            "this step (lower the learning rate, or check the input); the "
+            "last checkpoint is kept"
+            % ("" if key is None else " %r" % (key,), self._step + 1))
 
   def begin(self):
     self._global_step = tf.train.get_global_step()
@@ -156,14 +190,8 @@ class StepLoggerHook(tf.train.SessionRunHook):
                          for k in ("loss", "global_step"))
     applied = run_values.results.get("applies", True)
     loss_scale = run_values.results.get("loss_scale")
-    losses = _by_loss(loss)
-    for key, value in losses.items():
-      if math.isnan(float(value)):
-        raise FloatingPointError(
-            "loss%s is NaN at step %d: training stopped, nothing saved from "
-            "this step (lower the learning rate, or check the input); the "
-            "last checkpoint is kept"
-            % ("" if key is None else " %r" % (key,), self._step + 1))
+    losses = {**self._recorded, self._last: loss}
+    self._check(losses)
     if not applied:
       return
     # Alone, a process counts its own steps (the global step it fetched may
