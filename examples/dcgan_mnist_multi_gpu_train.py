@@ -5,10 +5,12 @@ r"""Trains a DCGAN on MNIST on several GPUs (towers): two losses and optimizers.
 
 carpedm20/DCGAN-tensorflow's MNIST model on `towers`: each tower builds the
 generator and the discriminator once and returns both losses; every step
-runs the discriminator's update, then the generator's, each averaged over
-the towers and applied to its own network. Batch norm is synchronized, so
-the towers train what one device would on the global batch. At the end a
-grid of generated digits goes to TensorBoard and to <train_dir>/generated.png.
+runs the discriminator's update, then the generator's, each in its own
+session run, averaged over the towers and applied to its own network. As
+on one device, the generator's run computes only its loss: it reads no
+real images. Batch norm is synchronized, so the towers train what one
+device would on the global batch. At the end a grid of generated digits
+goes to TensorBoard and to <train_dir>/generated.png.
 """
 
 import os
@@ -128,7 +130,9 @@ def train(*, train_dir, data_dir=None, dataset="mnist", num_gpus=2,
                                                        GRID * 28, 1])
     pixels = tf.cast(tf.round((grid[0] + 1.0) * 127.5), tf.uint8)
     image = tf.summary.image("generated", grid, max_outputs=1)
-    summary_op = tf.summary.merge([training.training_summaries(t), image])
+    # Each network's summaries run with its own step.
+    summary_op = training.training_summaries(t)
+    summary_op["g"] = tf.summary.merge([summary_op["g"], image])
     common.log_batch(num_gpus, batch_size, max_steps,
                      60000 if files is None else files[0].count)
     step = training.train(

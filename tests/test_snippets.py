@@ -100,7 +100,10 @@ SETUPS = {
         """),
     # Several losses: a generator, a discriminator, noise beside the images.
     "discriminator(images)": textwrap.dedent("""
-        z = tf.constant(rng.randn(32, 8).astype(np.float32))
+        z_dim = 8
+        z = tf.constant(rng.randn(32, z_dim).astype(np.float32))
+        batches = [(rng.rand(64, 784).astype(np.float32),
+                    rng.randn(64, z_dim).astype(np.float32))] * 3
         d_opt = tf.train.MomentumOptimizer(0.05, 0.9)
         g_opt = tf.train.GradientDescentOptimizer(0.05)
 
@@ -147,13 +150,13 @@ SETUPS = {
         """),
 }
 EPILOGUES = {
-    "d_op = d_opt.apply_gradients": textwrap.dedent("""
+    "train_ops[key] = opt.apply_gradients": textwrap.dedent("""
         init = tf.global_variables_initializer()
         with tf.Session(config=towers.virtual_cpu_config(2)) as sess:
           sess.run(init)
           first = sess.run(t.loss)
           for _ in range(5):
-            sess.run(d_op)
+            sess.run(train_ops["d"])
           last = sess.run(t.loss)
         assert last["d"] < first["d"], (first, last)
         """),
