@@ -198,7 +198,7 @@ PERMUTATIONS = [(3, 9, 0, 5, 1, 8, 2, 7, 4, 6), (9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                 (1, 0, 3, 2, 5, 4, 7, 6, 9, 8)]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=IDS)
+@pytest.mark.parametrize("mode", [MODES[0], MODES[-1]], ids=[IDS[0], IDS[-1]])
 def test_with_adam_the_gap_is_within_one_devices_own_rounding(mode):
   """Adam divides by the root of a second moment that is near zero where
   batch norm cancels a gradient (the biases before it): there one device
@@ -217,7 +217,7 @@ def test_with_adam_the_gap_is_within_one_devices_own_rounding(mode):
     assert gap <= max(2 * noise[name], 1e-5), (name, gap, noise[name])
 
 
-@pytest.mark.parametrize("mode", MODES, ids=IDS)
+@pytest.mark.parametrize("mode", [MODES[0], MODES[-1]], ids=[IDS[0], IDS[-1]])
 def test_the_by_hand_flow_per_loss_is_the_same(mode):
   num, size = 3, 10
   real_np, z_np = _data(size)
