@@ -42,24 +42,21 @@ def train(train_op: Union[tf.Operation, Dict[str, tf.Operation]],
           stall_log_secs: float = 30.0) -> int:
   """Runs `train_op` until the global step reaches `max_steps`.
 
-  Composes the pieces around a ``MonitoredTrainingSession`` on the finished
-  graph: the `TrainDir` guard (a job already at `max_steps` trains nothing),
-  checkpoints every `save_checkpoint_secs` (or `save_checkpoint_steps`) and
-  at the end, `summary_op` every `save_summaries_steps`, the `StepLoggerHook`
-  and the `StopOnSignalHook`. With a `task` (`start_task`) it runs that
-  worker's session: collective mode starts from the chief's values
-  (`towers.broadcast_variables`) and stops on a lost peer; with parameter
-  servers `optimizer` (the ``SyncReplicasOptimizer``) gets its hook; a
-  `Watchdog` bounds every wait.
+  A ``MonitoredTrainingSession`` with the `TrainDir` guard (a job at
+  `max_steps` trains nothing), checkpoints (periodic and final), summaries,
+  the `StepLoggerHook` and the `StopOnSignalHook`. With a `task`
+  (`start_task`), that worker's session: collective mode starts from the
+  chief's values (`towers.broadcast_variables`) and stops on a lost peer;
+  with parameter servers the ``SyncReplicasOptimizer`` `optimizer` gets its
+  hook; a `Watchdog` bounds every wait.
 
   Args:
     train_op, t: the step and its `towers.Towers` (`towers.minimize`'s);
-      a dict of train ops (several losses) runs them in turn, one run each
-      fetching its own loss.
+      a dict of train ops runs each in turn, one run with its own loss.
     train_dir, max_steps: the checkpoints' directory; the step to stop at.
     examples_per_step: the examples of one update, for the step line.
-    summary_op, config, hooks: the summaries (with several losses, a dict
-      by key, each run with its key's op), session config, more hooks.
+    summary_op, config, hooks: the summaries (or a dict, run with each
+      key's op), session config, more hooks.
     log_every_n_steps, save_*: how often to log, save and summarize.
     task, optimizer, stall_log_secs: a cluster's, see above and `Watchdog`.
 
@@ -69,8 +66,7 @@ def train(train_op: Union[tf.Operation, Dict[str, tf.Operation]],
   Raises:
     TrainDirError: for a training directory it cannot train in.
     Interrupted: after SIGTERM or SIGINT, once the chief has saved.
-    ValueError: for a dict of train ops with parameter servers, or of
-      summaries under keys the train ops do not have.
+    ValueError: for a dict of train ops with ps, or summaries' bad keys.
     FloatingPointError: if the loss becomes NaN.
     PeerLost: when a step fails or stalls on another task.
   """
