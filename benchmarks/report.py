@@ -486,6 +486,12 @@ def _met(targets: List[Dict[str, object]]) -> str:
                                     t["detail"]) for t in targets)
 
 
+def _rounds_line(rounds) -> str:
+  """The line under a section's table: what else ran, rounds repeated."""
+  return "Other processes during the kept rounds: %s; rounds repeated: %d." % (
+      quiet.describe(rounds["foreign_cores"]), rounds["repeated_rounds"])
+
+
 def _targets_line(results: Dict[str, object],
                   targets: List[Dict[str, object]]) -> str:
   if results.get("quick"):
@@ -670,10 +676,7 @@ def sweep_markdown(results: Dict[str, object]) -> List[str]:
             1e3 * unpacked["q3_step_sec"], row["ratio"], low, high,
             packed["tensors"], packed["expected_tensors"],
             unpacked["tensors"], unpacked["expected_tensors"]))
-  lines += ["", "Other processes during the kept rounds: %s; rounds "
-            "repeated: %d." % (quiet.describe(
-                sweep["rounds"]["foreign_cores"]),
-                               sweep["rounds"]["repeated_rounds"]), ""]
+  lines += ["", _rounds_line(sweep["rounds"]), ""]
   return lines
 
 
@@ -763,9 +766,7 @@ def batch_norm_markdown(results: Dict[str, object]) -> List[str]:
     lines += ["Per-tower layer: %s; the per-tower rows use %s, the kernel "
               "tf.layers runs for 4-D inputs, with tf.layers' variables and "
               "moving-average updates." % (fallback, per_tower), ""]
-  lines += ["Other processes during the kept rounds: %s; rounds repeated: "
-            "%d." % (quiet.describe(section["rounds"]["foreign_cores"]),
-                     section["rounds"]["repeated_rounds"]), ""]
+  lines += [_rounds_line(section["rounds"]), ""]
   return lines
 
 
@@ -850,10 +851,7 @@ def fast_paths_markdown(results: Dict[str, object]) -> List[str]:
       if not quick:
         line += " %s |" % _met(row.get("targets", []))
       lines.append(line)
-    lines += ["", "Other processes during the kept rounds: %s; rounds "
-              "repeated: %d." % (quiet.describe(
-                  staging["rounds"]["foreign_cores"]),
-                                 staging["rounds"]["repeated_rounds"]), ""]
+    lines += ["", _rounds_line(staging["rounds"]), ""]
     if quick:
       lines += [_targets_line(results, []), ""]
   precision = section.get("precision")
@@ -897,10 +895,7 @@ def fast_paths_markdown(results: Dict[str, object]) -> List[str]:
              1e3 * row["q1_step_sec"], 1e3 * row["q3_step_sec"],
              _first_step(row), _counted(row),
              _mib(row["expected_busiest_bytes"])))
-    lines += ["", "Other processes during the kept rounds: %s; rounds "
-              "repeated: %d." % (quiet.describe(
-                  precision["rounds"]["foreign_cores"]),
-                                 precision["rounds"]["repeated_rounds"]), ""]
+    lines += ["", _rounds_line(precision["rounds"]), ""]
   return lines
 
 
@@ -1003,9 +998,7 @@ def accumulation_markdown(results: Dict[str, object]) -> List[str]:
     lines.append("")
   lines += ["Not run or not measured here: %s." % "; ".join(
       section["not_run"]), ""]
-  lines += ["Other processes during the kept rounds: %s; rounds repeated: "
-            "%d." % (quiet.describe(section["rounds"]["foreign_cores"]),
-                     section["rounds"]["repeated_rounds"]), ""]
+  lines += [_rounds_line(section["rounds"]), ""]
   if quick:
     lines += [_targets_line(results, []), ""]
   return lines
@@ -1069,10 +1062,7 @@ def startup_markdown(results: Dict[str, object]) -> List[str]:
     if not quick:
       line += " %s |" % _met(row.get("targets", []))
     lines.append(line)
-  lines += ["", "Other processes during the kept rounds: %s; rounds "
-            "repeated: %d." % (quiet.describe(
-                section["rounds"]["foreign_cores"]),
-                               section["rounds"]["repeated_rounds"]), ""]
+  lines += ["", _rounds_line(section["rounds"]), ""]
   if quick:
     lines += [_targets_line(results, []), ""]
   return lines
@@ -1156,9 +1146,7 @@ def across_workers_markdown(results: Dict[str, object]) -> List[str]:
               % ", ".join(unsized), ""]
   if any(r["num_workers"] > 1 and not r["measured"] for r in rows):
     lines += ["Measured: not available here (ss -tinp failed).", ""]
-  lines += ["Other processes during the kept rounds: %s; rounds repeated: "
-            "%d." % (quiet.describe(section["rounds"]["foreign_cores"]),
-                     section["rounds"]["repeated_rounds"]), ""]
+  lines += [_rounds_line(section["rounds"]), ""]
   return lines
 
 
@@ -1204,10 +1192,7 @@ def markdown(results: Dict[str, object]) -> str:
       lines += [results["mirrored_skipped"], ""]
     if quick:
       lines += [_targets_line(results, []), ""]
-    lines += ["Other processes during the kept rounds: %s; rounds "
-              "repeated: %d." % (quiet.describe(
-                  workload["rounds"]["foreign_cores"]),
-                                 workload["rounds"]["repeated_rounds"]), ""]
+    lines += [_rounds_line(workload["rounds"]), ""]
     lines += traffic_markdown(workload)
   lines += packing_markdown(results)
   lines += sweep_markdown(results)
