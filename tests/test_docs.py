@@ -36,6 +36,8 @@ def test_every_public_symbol_is_in_the_api_reference():
     api = f.read()
   for name in towers.__all__ + ["__version__"]:
     assert "towers.%s" % name in api, name
-  from towers import training  # pylint: disable=g-import-not-at-top
+  from towers import testing, training  # pylint: disable=g-import-not-at-top
   for name in training.__all__:
     assert "training.%s" % name in api, name
+  for name in testing.__all__:
+    assert "testing.%s" % name in api, name

@@ -43,6 +43,14 @@ def test_training_surface_is_pinned():
   assert public == set(training.__all__)
 
 
+def test_testing_surface_is_pinned():
+  from towers import testing  # pylint: disable=g-import-not-at-top
+  assert testing.__all__ == ["assert_matches_one_device"]
+  public = {name for name, value in vars(testing).items()
+            if not name.startswith("_") and not inspect.ismodule(value)}
+  assert public == set(testing.__all__)
+
+
 def test_towers_fields():
   assert towers.Towers._fields == (
       "losses", "loss", "tower_grads", "weights", "scopes", "devices",
@@ -66,8 +74,10 @@ def test_import_has_no_side_effects_and_leaves_out_the_runner():
       before = state()
       import towers
       assert state() == before, (state(), before)
-      assert not [m for m in sys.modules if m.startswith("towers.training")]
+      assert not [m for m in sys.modules if m.startswith(("towers.training",
+                                                          "towers.testing"))]
       import towers.training
+      import towers.testing
       assert state() == before, (state(), before)
       print("clean")
       """)

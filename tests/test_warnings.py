@@ -337,6 +337,13 @@ def workers():
     raise RuntimeError("\n".join(errors))
 
 
+def testing_call():
+  """towers.testing: one device's program and the towers' in every mode."""
+  from towers import testing  # pylint: disable=g-import-not-at-top
+  testing.assert_matches_one_device(
+      model_fn(), lambda: tf.train.MomentumOptimizer(0.1, 0.9), batch())
+
+
 def features():
   """{name: a function that builds the feature and runs it}, in order."""
   found = {}
@@ -377,6 +384,7 @@ def features():
       "SyncReplicasOptimizer": sync_replicas,
       "xla": xla,
       "training.train": training_loop,
+      "testing.assert_matches_one_device": testing_call,
   })
   if _has_legacy_layers():
     found.update({
