@@ -148,8 +148,16 @@ SETUPS = {
             pretrained = tf.train.Saver().save(
                 sess, os.path.join(checkpoint_dir.name, "model.ckpt"))
         """),
+    # A Keras model per program, for towers.testing: a global batch.
+    "def make_model_fn():": textwrap.dedent("""
+        rng = np.random.RandomState(0)
+        x = rng.rand(12, 784).astype(np.float32)
+        y = rng.randint(0, 10, 12)
+        """),
 }
 EPILOGUES = {
+    # It asserts by itself.
+    "testing.assert_matches_one_device(": "\n",
     "train_ops[key] = opt.apply_gradients": textwrap.dedent("""
         init = tf.global_variables_initializer()
         with tf.Session(config=towers.virtual_cpu_config(2)) as sess:
