@@ -28,11 +28,12 @@ IMAGES, LABELS = (np.random.RandomState(0).normal(size=(12, 5, 5, 2))
 Z_DIM = 3
 
 
-def _dense(x, units, name, decay=0.0):
+def _dense(x, units, name, decay=0.0, dtype=tf.float32):
   with tf.variable_scope(name):
-    w = tf.get_variable("w", [int(x.shape[-1]), units], regularizer=(
+    w = tf.get_variable("w", [int(x.shape[-1]), units], dtype, regularizer=(
         (lambda v: decay * tf.nn.l2_loss(v)) if decay else None))
-    b = tf.get_variable("b", [units], initializer=tf.zeros_initializer())
+    b = tf.get_variable("b", [units], dtype,
+                        initializer=tf.zeros_initializer())
   return tf.matmul(x, w) + b
 
 
@@ -150,6 +151,22 @@ def test_a_template_made_per_program_matches():
 def test_sparse_gradients_and_outputs_match():
   testing.assert_matches_one_device(embedding_model, momentum, ids_batch(),
                                     clip_norm=1.0)
+
+
+def float64_model(scope, x, y):
+  """float64 weights and batch norm; tf.losses rounds the loss to float32."""
+  del scope
+  h = _dense(x, 5, "hidden", dtype=tf.float64)
+  h = tf.tanh(towers.batch_normalization(h, training=True, name="bn"))
+  return tf.losses.sparse_softmax_cross_entropy(
+      y, _dense(h, CLASSES, "out", dtype=tf.float64))
+
+
+def test_a_float64_model_is_held_to_the_float32_its_loss_is_rounded_to():
+  rng = np.random.RandomState(4)
+  testing.assert_matches_one_device(float64_model, adam,
+                                    (rng.normal(size=(4, 6)),
+                                     rng.randint(0, CLASSES, 4)))
 
 
 def test_accumulated_micro_batches_match_one_device_on_all_of_them():
@@ -271,6 +288,16 @@ def test_with_accumulation_per_tower_batch_norm_names_the_micro_batches():
   assert "each tower's shard of each micro-batch" in message
 
 
+def test_with_accumulation_synchronized_batch_norm_fails_saying_why():
+  """By design: each micro-batch is normalized alone, as one device taking
+  the micro-batches in turn would."""
+  message = _failure(bias_before_batch_norm, momentum, models.batch(12),
+                     variable_device="cpu", accumulate_steps=2)
+  assert ("tower_0/bn normalizes each of the 2 micro-batches with its own "
+          "statistics") in message
+  assert "test the model with accumulate_steps=1" in message
+
+
 def test_a_unittest_case_reports_a_failure_not_an_error():
 
   class Port(unittest.TestCase):
@@ -379,10 +406,11 @@ def test_adam_is_held_to_its_own_noise_not_to_a_fixed_tolerance():
   spec = _programs.Spec(lambda: bias_before_batch_norm,
                         lambda: {None: adam()}, 3, {"variable_device": "cpu"})
   batch = models.batch(12)
-  initial, runs = _programs.one_device(
+  one = _programs.one_device(
       spec, batch, [None, np.random.RandomState(0).permutation(12)])
-  got = _programs.on_towers(spec, batch, 2, initial)
-  rows = _compare.compare("cpu", runs[0], runs[1:], got.values)
+  got = _programs.on_towers(spec, batch, 2, one.initial)
+  rows = _compare.compare("cpu", one.runs[0], one.runs[1:], got.values,
+                          one.eps)
   assert max(row.difference for row in rows) > 1e-5
   assert max(row.noise for row in rows) > 1e-5
   assert not [row for row in rows if row.failed]

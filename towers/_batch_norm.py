@@ -24,6 +24,9 @@ from towers import _context
 from towers import _workers
 
 _DEFAULT_NAME = "batch_normalization"
+# The name scope of the global batch's moments (`towers.testing` finds the
+# layer by it).
+MOMENTS_SCOPE = "global_moments"
 
 
 def batch_normalization(inputs,
@@ -208,7 +211,7 @@ def _moments(x: tf.Tensor, reduced: List[int], shape: List[int],
   if context is None or not _synchronized_in(context):
     mean, variance = tf.nn.moments(x, reduced, keepdims=keepdims)
     return mean, variance, count
-  with tf.name_scope("global_moments"):
+  with tf.name_scope(MOMENTS_SCOPE):
     total = tf.reduce_sum(x, reduced, keepdims=keepdims)
     # The norm reads x once, with no squared copy of it: faster than
     # summing tf.square(x), within a rounding.

@@ -9,7 +9,8 @@ the same batch. Its largest elementwise difference must be at most::
 
 where `noise` is how far one device's own value moves when the batch's rows
 are permuted (the order of its sums changes, nothing else) and `eps` is the
-machine epsilon of the value's dtype. Towers add in another order too, so
+machine epsilon of the narrowest float dtype the loss is computed in (the
+precision every value has at best). Towers add in another order too, so
 that noise is the yardstick: tiny for SGD, large where an optimizer such as
 Adam turns a gradient that is zero up to rounding into a full step. The
 floor covers values whose sums no permutation reorders. Integers and bools
@@ -69,25 +70,26 @@ class Values(NamedTuple):
   copies: Dict[str, tuple]
 
 
-def compare(case: str, want: Values, noisy: Sequence[Values],
-            got: Values) -> List[Row]:
-  """Every value of `got` against `want`, held to `noisy`'s spread."""
+def compare(case: str, want: Values, noisy: Sequence[Values], got: Values,
+            eps: float) -> List[Row]:
+  """Every value of `got` against `want`, held to `noisy`'s spread and to
+  rounding at `eps`."""
   rows = []
   for step, losses in enumerate(want.losses):
     for key, value in losses.items():
       rows.append(_row("loss" + _losses.named(key), case, str(step + 1),
                        value, [n.losses[step][key] for n in noisy],
-                       got.losses[step].get(key)))
+                       got.losses[step].get(key), eps))
   for key, grads in want.grads.items():
     for name, value in grads.items():
       rows.append(_row("gradient of %s%s" % (name, _of(key)), case, "1",
                        value, [n.grads[key][name] for n in noisy],
-                       got.grads.get(key, {}).get(name)))
+                       got.grads.get(key, {}).get(name), eps))
   after = "after %d" % len(want.losses)
   for name, value in want.variables.items():
     rows.append(_row(name, case, after, value,
                      [n.variables[name] for n in noisy],
-                     got.variables.get(name)))
+                     got.variables.get(name), eps))
   for name, (primary, value) in sorted(got.copies.items()):
     first = got.variables[primary]
     same = (value.shape == first.shape and value.dtype == first.dtype and
@@ -120,12 +122,13 @@ def table(failed: Sequence[Row]) -> str:
 
 
 def _row(what: str, case: str, step: str, want: object,
-         noisy: Sequence[object], got: object) -> Row:
+         noisy: Sequence[object], got: object, rounding: float) -> Row:
   value = np.asarray(want)
   noise = max([_difference(value, np.asarray(n)) for n in noisy] or [0.0])
   if value.dtype.kind in "fc":
     scale = max(1.0, float(np.max(np.abs(value))) if value.size else 0.0)
-    tolerance = max(NOISE_FACTOR * noise, ROUNDING * eps(value.dtype) * scale)
+    rounding = max(rounding, eps(value.dtype))
+    tolerance = max(NOISE_FACTOR * noise, ROUNDING * rounding * scale)
   else:
     tolerance = 0.0
   if got is None:

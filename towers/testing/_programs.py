@@ -26,6 +26,7 @@ import tensorflow.compat.v1 as tf
 
 import towers
 from towers import _copies
+from towers import _graph
 from towers import _inputs
 from towers import _loss_paths
 from towers import _losses
@@ -68,12 +69,25 @@ class Towers(NamedTuple):
   values: the `_compare.Values`.
   added: the towers' losses of the first update added, by key.
   sizes: ``[num_towers]`` examples of each tower's shard (of a micro-batch).
-  batch_norm: tower 0's ops that normalize with their shard's statistics.
+  batch_norm: tower 0's batch norms (`_traps.batch_norm_ops`).
   """
   values: _compare.Values
   added: Dict[_losses.Key, float]
   sizes: List[int]
-  batch_norm: List[str]
+  batch_norm: Tuple[List[str], List[str]]
+
+
+class OneDevice(NamedTuple):
+  """What one device's runs gave.
+
+  initial: the initial values of the global variables, by name.
+  runs: `_compare.Values` per order of the rows, the batch's first.
+  eps: the machine epsilon of the narrowest float dtype the losses are
+    computed in (``tf.losses`` computes even a float64 loss in float32).
+  """
+  initial: Dict[str, np.ndarray]
+  runs: List[_compare.Values]
+  eps: float
 
 
 class TowersFailed(Exception):
@@ -83,14 +97,9 @@ class TowersFailed(Exception):
 
 
 def one_device(spec: Spec, batch: Batch,
-               orders: Sequence[Optional[np.ndarray]]
-               ) -> Tuple[Dict[str, np.ndarray], List[_compare.Values]]:
+               orders: Sequence[Optional[np.ndarray]]) -> OneDevice:
   """Runs one device's program from the same initial values once per order
   of the batch's rows (None: as it is).
-
-  Returns:
-    ``(initial, runs)``: the initial values of the global variables by name,
-    and ``[len(orders)]`` `_compare.Values`.
 
   Raises:
     As `model_fn` does; ValueError for random ops its loss reads.
@@ -107,6 +116,9 @@ def one_device(spec: Spec, batch: Batch,
                                            keys)
     made = _tf_internals.made_after(start)
     _traps.check_repeatable(list(losses.values()), made)
+    eps = max(_compare.eps(t.dtype.as_numpy_dtype) for op in _graph.upstream(
+        list(losses.values()), within=set(made)) for t in op.outputs
+              if t.dtype.is_floating)
     # A Keras layer's updates, which one device's program runs (as
     # model.updates) like tf.layers'.
     _updates.collect(made, "", list(losses.values()), outputs)
@@ -144,7 +156,7 @@ def one_device(spec: Spec, batch: Batch,
           lambda a, o=order: a[o], batch)
       runs.append(_run(sess, spec, feeds, [rows], train_ops, losses, grads,
                        variables)[0])
-  return initial, runs
+  return OneDevice(initial, runs, eps)
 
 
 def on_towers(spec: Spec, batch: Batch, num_towers: int,

@@ -7,7 +7,8 @@ ports that part fall into one of a few traps, each recognizable:
   first loss is the towers' losses added, not their weighted mean;
 - per-tower batch norm: by the graph, an op of tower 0 normalizes with its
   shard's own statistics (``FusedBatchNorm`` in training, or the moments of
-  axis 0), where one device normalizes the whole batch;
+  axis 0), where one device normalizes the whole batch; with accumulated
+  micro-batches, even synchronized batch norm normalizes each alone;
 - a replicated copy apart from copy 0: something wrote copy 0 alone;
 - a loss that collects every tower's (``tf.losses.get_total_loss()``
   without a scope): by `build_towers`' refusal, whose message names it.
@@ -17,11 +18,12 @@ be made: towers draw them per shard. `check_repeatable` refuses them before
 anything runs.
 """
 
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from towers import _batch_norm
 from towers import _graph
 from towers import _losses
 
@@ -30,6 +32,7 @@ SUM = "pitfall P54 in docs/pitfalls.md"
 BATCH_NORM = "pitfall P27 in docs/pitfalls.md"
 COPIES = "pitfalls P19 and P23 in docs/pitfalls.md"
 COLLECTS = "pitfall P16 in docs/pitfalls.md"
+ACCUMULATION = "gradient accumulation in docs/api.md"
 
 _FUSED = frozenset(["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
 # Ops that draw random numbers, stateful or seeded.
@@ -61,23 +64,26 @@ def check_repeatable(losses: Iterable[tf.Tensor],
         % ", ".join(drawn[:3] + (["..."] if len(drawn) > 3 else [])))
 
 
-def batch_norm_ops(scope: str) -> List[str]:
-  """Names of the ops in `scope` that normalize with the statistics of
-  their own input's batch, in the default graph."""
-  found = []
+def batch_norm_ops(scope: str) -> Tuple[List[str], List[str]]:
+  """The batch norms in `scope` of the default graph: the ops that normalize
+  with their own input's statistics, and the synchronized layers' scopes."""
+  shard, synchronized = [], []
   for op in tf.get_default_graph().get_operations():
     if not op.name.startswith(scope):
       continue
     if op.type in _FUSED and op.get_attr("is_training"):
-      found.append(op.name)
+      shard.append(op.name)
     elif (op.type == "Mean" and op.name.endswith("moments/mean") and
           0 in np.ravel(tf.get_static_value(op.inputs[1]))):
-      found.append(op.name)
-  return found
+      shard.append(op.name)
+    elif op.name.endswith("/%s/Sum" % _batch_norm.MOMENTS_SCOPE):
+      synchronized.append(op.name.rsplit("/", 2)[0])
+  return shard, synchronized
 
 
 def hints(failed: Sequence[str], first_loss: Dict[_losses.Key, Any],
-          added: Dict[_losses.Key, float], batch_norm: Sequence[str],
+          added: Dict[_losses.Key, float],
+          batch_norm: Tuple[Sequence[str], Sequence[str]],
           accumulate_steps: int) -> Dict[str, str]:
   """The likely causes of one case's failed values, by trap (``"sum"``,
   ``"batch_norm"``, ``"copies"``).
@@ -87,7 +93,7 @@ def hints(failed: Sequence[str], first_loss: Dict[_losses.Key, Any],
     first_loss: one device's loss at the first update, by key.
     added: the towers' losses of the first update added (over the towers
       and micro-batches), by key.
-    batch_norm: tower 0's ops that normalize with their shard's statistics.
+    batch_norm: tower 0's batch norms (`batch_norm_ops`).
     accumulate_steps: the micro-batches per update.
   """
   found = {}
@@ -101,14 +107,23 @@ def hints(failed: Sequence[str], first_loss: Dict[_losses.Key, Any],
           "share of the batch: average the loss over the examples "
           "(tf.reduce_mean, the default reduction of tf.losses) (%s)"
           % (_losses.named(key), loss, SUM))
-  if batch_norm and any(not w.startswith("copy ") for w in failed):
+  shard, synchronized = batch_norm
+  values = any(not w.startswith("copy ") for w in failed)
+  if shard and values:
     each = ("each tower's shard" if accumulate_steps == 1 else
             "each tower's shard of each micro-batch")
     found["batch_norm"] = (
         "%s normalizes %s with that shard's own mean and variance, where one "
         "device normalizes the whole batch: use towers.batch_normalization, "
         "tf.layers' drop-in that normalizes with the global batch's "
-        "statistics (%s)" % (_named_ops(batch_norm), each, BATCH_NORM))
+        "statistics (%s)" % (_named_ops(shard), each, BATCH_NORM))
+  elif synchronized and values and accumulate_steps > 1:
+    found["batch_norm"] = (
+        "%s normalizes each of the %d micro-batches with its own statistics, "
+        "where one device normalizes the whole batch: by design, as one "
+        "device taking the micro-batches in turn would (%s); test the model "
+        "with accumulate_steps=1" % (_named_ops(synchronized),
+                                     accumulate_steps, ACCUMULATION))
   if any(w.startswith("copy ") for w in failed):
     found["copies"] = (
         "a replicated copy is apart from copy 0: the first step sets every "
