@@ -254,7 +254,8 @@ def test_a_loss_collecting_every_towers_losses_fails_naming_the_trap():
 
 @pytest.mark.parametrize("make_optimizer", [momentum, adam])
 def test_per_tower_batch_norm_fails_naming_the_op(make_optimizer):
-  message = _failure(per_tower_batch_norm, make_optimizer, models.batch(12))
+  message = _failure(per_tower_batch_norm, make_optimizer, models.batch(12),
+                     variable_device="cpu")
   assert "tower_0/moments/mean normalizes each tower's shard" in message
   assert "towers.batch_normalization" in message
   assert "pitfall P27 in docs/pitfalls.md" in message
