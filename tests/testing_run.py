@@ -16,6 +16,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow.compat.v1 as tf
 
+import models
 import towers
 from towers import testing
 
@@ -72,11 +73,7 @@ def message(model_fn, variable_device=None):
 
 
 def main():
-  if "--ref-variables" in sys.argv:
-    tf.disable_v2_behavior()
-  else:
-    tf.disable_eager_execution()
-    tf.enable_resource_variables()
+  models.use_variables("--ref-variables" in sys.argv)
   print(json.dumps({
       "keras": message(keras_model(False)),
       # The failures in one mode (and its uneven split): the message is

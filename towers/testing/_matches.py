@@ -84,6 +84,7 @@ def assert_matches_one_device(model_fn: Callable[..., object],
   failed: List[_compare.Row] = []
   causes: Dict[str, str] = {}
   compared = 0
+  cases: List[str] = []
   for i, batch in enumerate(_batches(_as_batch(inputs), spec.accumulate_steps,
                                      num_towers, uneven)):
     rng = np.random.RandomState(i)
@@ -101,17 +102,19 @@ def assert_matches_one_device(model_fn: Callable[..., object],
       except _programs.TowersFailed as e:
         raise AssertionError(_refused(case, num_towers, e)) from e.__cause__
       case += " (%s)" % "+".join(map(str, got.sizes))
+      cases.append(case)
       rows = _compare.compare(case, one.runs[0], one.runs[1:], got.values,
                               one.eps)
       compared += len(rows)
-      mine = [row.what for row in rows if row.failed]
-      failed += [row for row in rows if row.failed]
-      for trap, cause in _traps.hints(mine, one.runs[0].losses[0], got.added,
+      mine = [row for row in rows if row.failed]
+      failed += mine
+      for trap, cause in _traps.hints([row.what for row in mine],
+                                      one.runs[0].losses[0], got.added,
                                       got.batch_norm,
                                       spec.accumulate_steps).items():
         causes.setdefault(trap, cause)
   if failed:
-    raise AssertionError(_message(num_towers, failed, compared,
+    raise AssertionError(_message(num_towers, failed, compared, cases,
                                   list(causes.values())))
 
 
@@ -290,14 +293,14 @@ def _refused(case: str, num_towers: int, error: Exception) -> str:
 
 
 def _message(num_towers: int, failed: List[_compare.Row], compared: int,
-             causes: List[str]) -> str:
+             cases: List[str], causes: List[str]) -> str:
   lines = [
       "model_fn trains otherwise on %d towers than on one device: %d of %d "
       "values differ by more than max(%g x noise, %d x eps x magnitude), "
       "noise being one device's own difference with the batch's rows "
-      "permuted (%s):"
+      "permuted (%s). Cases: %s."
       % (num_towers, len(failed), compared, _compare.NOISE_FACTOR,
-         _compare.ROUNDING, API),
+         _compare.ROUNDING, API, "; ".join(cases)),
       _compare.table(failed)]
   lines += ["Likely cause: " + c for c in causes]
   return "\n".join(lines)

@@ -115,10 +115,10 @@ def one_device(spec: Spec, batch: Batch,
     losses, outputs = _losses.check_result(result, "one device's program",
                                            keys)
     made = _tf_internals.made_after(start)
-    _traps.check_repeatable(list(losses.values()), made)
-    eps = max(_compare.eps(t.dtype.as_numpy_dtype) for op in _graph.upstream(
-        list(losses.values()), within=set(made)) for t in op.outputs
-              if t.dtype.is_floating)
+    computed = _graph.upstream(list(losses.values()), within=set(made))
+    _traps.check_repeatable(computed)
+    eps = max(_compare.eps(t.dtype.as_numpy_dtype) for op in computed
+              for t in op.outputs if t.dtype.is_floating)
     # A Keras layer's updates, which one device's program runs (as
     # model.updates) like tf.layers'.
     _updates.collect(made, "", list(losses.values()), outputs)
@@ -128,12 +128,12 @@ def one_device(spec: Spec, batch: Batch,
         _losses.check_var_list(spec.options.get("var_list"), keys))
     kwargs = {k: spec.options[k] for k in COMPUTE_GRADIENTS
               if k in spec.options}
+    clip_norm = spec.options.get("clip_norm")
     train_ops, grads = {}, {}
     for key in keys:
       with tf.control_dependencies(list(updates[key]) + [losses[key]]):
         pairs = [(g, v) for g, v in opts[key].compute_gradients(
             losses[key], var_list=var_lists[key], **kwargs) if g is not None]
-        clip_norm = spec.options.get("clip_norm")
         if clip_norm is not None:
           clipped, _ = tf.clip_by_global_norm([g for g, _ in pairs],
                                               clip_norm)
@@ -145,7 +145,8 @@ def one_device(spec: Spec, batch: Batch,
                     tf.local_variables_initializer())
     variables = tf.global_variables()
     loader = _Loader(variables)
-  with tf.Session(graph=graph, config=_config(1)) as sess:
+  with tf.Session(graph=graph, config=towers.virtual_cpu_config(
+      1, operation_timeout_in_ms=OPERATION_TIMEOUT_MS)) as sess:
     sess.run(init)
     initial = sess.run({v.op.name: v for v in variables})
     runs = []
@@ -198,7 +199,8 @@ def on_towers(spec: Spec, batch: Batch, num_towers: int,
       batch_norm = _traps.batch_norm_ops(t.scopes[0])
       every = _losses.keyed(t.losses, keys)
       sizes = [int(round(w * _rows(micro[0]))) for w in t.weights]
-    with tf.Session(graph=graph, config=_config(num_towers)) as sess:
+    with tf.Session(graph=graph, config=towers.virtual_cpu_config(
+        num_towers, operation_timeout_in_ms=OPERATION_TIMEOUT_MS)) as sess:
       sess.run(init)
       loader.load(sess, initial)
       values, added = _run(sess, spec, feeds, micro, train_ops,
@@ -297,8 +299,3 @@ def _dense(grad: Any) -> np.ndarray:
     return dense
   return np.asarray(grad)
 
-
-def _config(num_devices: int) -> tf.ConfigProto:
-  config = towers.virtual_cpu_config(num_devices)
-  config.operation_timeout_in_ms = OPERATION_TIMEOUT_MS
-  return config

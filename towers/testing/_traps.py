@@ -24,7 +24,6 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from towers import _batch_norm
-from towers import _graph
 from towers import _losses
 
 # Where each trap is told: docs/pitfalls.md, whose ids are stable.
@@ -46,15 +45,14 @@ _RANDOM = frozenset([
     "StatelessMultinomial"])
 
 
-def check_repeatable(losses: Iterable[tf.Tensor],
-                     made: Sequence[tf.Operation]) -> None:
-  """Raises if a loss reads random numbers `model_fn` drew (`made`: its ops).
+def check_repeatable(computed: Iterable[tf.Operation]) -> None:
+  """Raises if random numbers are among `computed`, the ops of `model_fn`
+  its losses run.
 
   Raises:
     ValueError: naming the random ops, and the fix.
   """
-  drawn = sorted(op.name for op in _graph.upstream(losses, within=set(made))
-                 if op.type in _RANDOM)
+  drawn = sorted(op.name for op in computed if op.type in _RANDOM)
   if drawn:
     raise ValueError(
         "model_fn's loss reads random numbers (%s): towers draw them per "
