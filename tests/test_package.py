@@ -55,7 +55,7 @@ def test_towers_fields():
   assert towers.Towers._fields == (
       "losses", "loss", "tower_grads", "weights", "scopes", "devices",
       "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce",
-      "loss_scale", "batch_size", "applies")
+      "loss_scale", "batch_size", "applies", "plan")
 
 
 def test_import_has_no_side_effects_and_leaves_out_the_runner():

@@ -128,9 +128,9 @@ def accumulate_gradients(towers, apply_fn: ApplyFn,
         scale, apply_weights = 1.0 / steps, weights
       grads = [[(a.value(scale), a.var) for a in tower]
                for tower in accumulators]
-      # The seed's average_gradients(tower_grads), without weights, takes
-      # these.
-      _shares.record(grads, apply_weights)
+      # The tutorial's average_gradients(tower_grads), without weights,
+      # takes these.
+      _shares.record(grads, towers.plan.with_shares(apply_weights))
       # In the caller's name scope, as without accumulation: an optimizer's
       # own variables (Adam's beta powers) keep their single-device names.
       with tf.name_scope(outer + "/" if outer else ""):

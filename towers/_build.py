@@ -5,28 +5,26 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
-from towers import _allreduce
 from towers import _apply
 from towers import _copies
 from towers import _device_check
-from towers import _devices
 from towers import _inputs
 from towers import _isolation
 from towers import _loss_paths
 from towers import _losses
 from towers import _placement
+from towers import _plan
 from towers import _precision
 from towers import _regularization
 from towers import _shares
 from towers import _tf_internals
 from towers import _tower_loop
 from towers import _updates
-from towers import _workers
 
 Towers = collections.namedtuple("Towers", [
     "losses", "loss", "tower_grads", "weights", "scopes", "devices",
     "summaries", "update_ops", "outputs", "grads_and_vars", "all_reduce",
-    "loss_scale", "batch_size", "applies"])
+    "loss_scale", "batch_size", "applies", "plan"])
 Towers.__doc__ = """What `build_towers` built.
 
 Fields (with a dict of losses, those of losses, gradients, summaries and
@@ -57,6 +55,9 @@ updates are dicts by loss: ``tower_grads["d"]``, ``update_ops["g"]``):
   applies: from `minimize`, a scalar bool tensor: whether the next run of
     the train op applies an update (every k-th with `accumulate_steps=k`;
     fetched with the train op, whether that run does); else None.
+  plan: the arguments the towers were built with, checked and resolved
+    (devices, variable placement, all-reduce, workers, the shares of the
+    batch): read-only.
 """
 
 
@@ -104,28 +105,25 @@ def build_towers(model_fn: Callable[..., object],
     TypeError: for arguments or losses of the wrong type.
     ValueError: for bad values, or towers that would train silently wrong.
   """
-  num_gpus = _devices.check_count("num_gpus", num_gpus)
   if not callable(model_fn):
     raise TypeError("expected model_fn to be callable as model_fn(scope, "
                     "*batch), got %r" % (model_fn,))
   opts = _losses.optimizers(opt)
   keys = list(opts)
+  plan = _plan.resolve(
+      num_gpus, devices=devices, variable_device=variable_device,
+      tower_name=tower_name, all_reduce=all_reduce, num_workers=num_workers,
+      compute_dtype=compute_dtype, stage_inputs=stage_inputs,
+      has_inputs=inputs is not None, optimizers=opts.values())
   entries = _losses.check_var_list(
       compute_gradients_kwargs.pop("var_list", None), keys)
   compute_gradients_kwargs.setdefault("gate_gradients",
                                       tf.train.Optimizer.GATE_NONE)
   for each in opts.values():
-    _check_replicated(variable_device, all_reduce, each)
-    # The seed's opt.apply_gradients(...) then updates every copy.
+    # The tutorial's own opt.apply_gradients(...) then updates every copy.
     _apply.route(each)
-  replicated = variable_device == _placement.REPLICATED
-  if num_workers != 1:
-    mine = _tower_loop.check_devices(devices, num_gpus)
-    num_workers = _workers.check(num_workers, mine, replicated, all_reduce)
-    _workers.register(mine, num_workers)
-  if replicated:
-    devices = _tower_loop.check_devices(devices, num_gpus)
-    all_reduce = _allreduce.resolve(all_reduce, devices)
+  replicated = plan.replicated
+  devices = plan.devices
   # Each loss's variables: resolved in tower 0, once it has made them.
   var_lists: Dict[_losses.Key, Optional[List[tf.Variable]]] = {}
   # Each loss's variables in tower 0, whose copies a replicated tower trains.
@@ -157,9 +155,10 @@ def build_towers(model_fn: Callable[..., object],
     # Only the final tower's summaries are kept: the towers' would share
     # tags once the tower prefix is stripped. Each goes with the first loss
     # whose step computes what it reads.
+    last = index == plan.num_towers - 1
     summaries = _loss_paths.by_key(
-        tf.get_collection(tf.GraphKeys.SUMMARIES, scope)
-        if index == num_gpus - 1 else [], losses, made_by_model, first=True)
+        tf.get_collection(tf.GraphKeys.SUMMARIES, scope) if last else [],
+        losses, made_by_model, first=True)
     if index == 0:
       var_lists.update(_losses.resolve(entries))
     grads = {}
@@ -190,22 +189,19 @@ def build_towers(model_fn: Callable[..., object],
     return found
 
   built = _tower_loop.build_each_tower(
-      tower, num_gpus, inputs=inputs, devices=devices,
-      variable_device=variable_device, tower_name=tower_name,
-      compute_dtype=compute_dtype, stage_inputs=stage_inputs,
-      all_reduce=all_reduce if replicated else "auto",
-      steps=steps if len(keys) > 1 else None)
+      tower, plan, inputs=inputs, steps=steps if len(keys) > 1 else None)
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
   by_key = {key: [each[key] for each in losses] for key in keys}
   grads_by_key = {key: [each[key] for each in tower_grads] for key in keys}
-  if replicated:
+  if plan.all_reduce:
     _copies.record_all_reduce(
-        [v for key in keys for _, v in grads_by_key[key][0]], all_reduce)
+        [v for key in keys for _, v in grads_by_key[key][0]], plan.all_reduce)
   _isolation.check_losses(by_key, built.scopes, built.batches,
                           added=built.regularization_losses)
+  plan = plan.with_shares(built.weights)
   means = {}
   for key in keys:
-    _shares.record(grads_by_key[key], built.weights)
+    _shares.record(grads_by_key[key], plan)
     with tf.name_scope("%s_loss" % tower_name):
       means[key] = tf.add_n([loss * tf.cast(w, loss.dtype)
                              for loss, w in zip(by_key[key], built.weights)])
@@ -217,25 +213,7 @@ def build_towers(model_fn: Callable[..., object],
                 update_ops=_losses.unwrap(update_ops[0]),
                 outputs=list(outputs),
                 grads_and_vars=None,
-                all_reduce=all_reduce if replicated else None,
-                loss_scale=None, batch_size=built.batch_size, applies=None)
+                all_reduce=plan.all_reduce, loss_scale=None,
+                batch_size=built.batch_size, applies=None,
+                plan=plan)
 
-
-def _check_replicated(variable_device: _placement.VariableDevice,
-                      all_reduce: str, opt: tf.train.Optimizer) -> bool:
-  """Returns whether the towers are replicated; checks the combination."""
-  _allreduce.check_name(all_reduce)
-  replicated = variable_device == _placement.REPLICATED
-  if not replicated and all_reduce != "auto":
-    raise ValueError(
-        "all_reduce=%r applies to variable_device='replicated' (a copy of the "
-        "variables on every tower); with variable_device=%r the towers share "
-        "one copy, averaged next to it: pass variable_device='replicated' or "
-        "drop all_reduce" % (all_reduce, variable_device))
-  if replicated and isinstance(opt, tf.train.SyncReplicasOptimizer):
-    raise ValueError(
-        "variable_device='replicated' keeps a copy of the variables on every "
-        "tower, but SyncReplicasOptimizer aggregates into variables on "
-        "parameter servers; with parameter servers use variable_device="
-        "tf.train.replica_device_setter(...) (one copy)")
-  return replicated

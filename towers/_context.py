@@ -176,7 +176,7 @@ class TowerSet:
 
   def __init__(self, devices: Sequence[str], uniform: bool,
                device_check: Optional[tf.Operation] = None,
-               all_reduce: str = "auto"):
+               sums: str = "add_n"):
     self.graph = tf.get_default_graph()
     state = _state.of(self.graph)
     state.tower_sets += 1
@@ -188,9 +188,9 @@ class TowerSet:
     self.shares: List[Share] = [1.0] * len(devices)
     self.uniform = uniform
     # Collectives where the gradients' all-reduce is one; elsewhere the sum
-    # on one device, whose few bytes cost less than a collective's launch.
-    self.algorithm = "collective" if _allreduce.resolve(
-        all_reduce, devices) == "collective" else "add_n"
+    # on one device, whose few bytes cost less than a collective's launch
+    # (`_plan.Plan.sums`).
+    self.algorithm = sums
     # No member launches before the towers are known to be apart
     # (`_device_check`): on a shared device it would wait forever.
     self._device_check = device_check

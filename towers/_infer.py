@@ -5,8 +5,8 @@ from typing import Callable, Optional, Sequence
 import tensorflow.compat.v1 as tf
 
 from towers import _device_check
-from towers import _devices
 from towers import _placement
+from towers import _plan
 from towers import _tower_loop
 
 
@@ -42,7 +42,6 @@ def infer(model_fn: Callable[..., object],
     ValueError: as `build_towers` for devices and inputs, or for a scalar
       output (it has no examples to put back in order).
   """
-  num_gpus = _devices.check_count("num_gpus", num_gpus)
   if not callable(model_fn):
     raise TypeError("expected model_fn to be callable as model_fn(scope, "
                     "*batch), got %r" % (model_fn,))
@@ -51,6 +50,8 @@ def infer(model_fn: Callable[..., object],
         "infer needs inputs holding the global batch (a tensor or a nested "
         "structure of tensors), to put the outputs back in its order; got "
         "%r" % (inputs,))
+  plan = _plan.resolve(num_gpus, devices=devices,
+                       variable_device=variable_device, tower_name=tower_name)
 
   def tower(index, scope, batch, check):
     del index, check  # Every tower runs the same function; see below.
@@ -67,10 +68,8 @@ def infer(model_fn: Callable[..., object],
             "on axis 0" % (t.name, scope.rstrip("/")))
     return outputs
 
-  built = _tower_loop.build_each_tower(
-      tower, num_gpus, inputs=inputs, devices=devices,
-      variable_device=variable_device, tower_name=tower_name,
-      allow_empty=True)
+  built = _tower_loop.build_each_tower(tower, plan, inputs=inputs,
+                                       allow_empty=True)
   first = built.results[0]
   for outputs, scope in zip(built.results[1:], built.scopes[1:]):
     try:

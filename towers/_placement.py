@@ -21,12 +21,14 @@ import tensorflow.compat.v1 as tf
 DeviceFn = Callable[[tf.Operation], str]
 VariableDevice = Union[str, DeviceFn]
 
+REPLICATED = "replicated"
+# The modes variable_device names, beside a device string or function.
+MODES = ("cpu", "gpu", "balanced", REPLICATED)
+
 # Ops that own variable storage: ref variables (VariableV2 and its ancestors)
 # and resource variables (VarHandleOp). Reads, assigns and initializers of a
 # resource variable are pinned to its handle's device by TensorFlow itself, and
 # a ref variable's initializer is colocated with it, so routing these is enough.
-REPLICATED = "replicated"
-
 VARIABLE_OPS = frozenset(
     ["Variable", "VariableV2", "AutoReloadVariable", "VarHandleOp"])
 
@@ -70,6 +72,30 @@ def _variable_bytes(op: tf.Operation) -> int:
   return int(np.prod(dims, dtype=np.int64)) * dtype.size
 
 
+def check_variable_device(variable_device: object) -> None:
+  """Raises unless `variable_device` is one `variable_placer` takes.
+
+  Raises:
+    TypeError: if it is neither a string nor callable.
+    ValueError: if the string is not a mode or a valid device.
+  """
+  if callable(variable_device) or (isinstance(variable_device, str) and
+                                   variable_device in MODES):
+    return
+  if not isinstance(variable_device, str):
+    raise TypeError(
+        "expected variable_device to be 'cpu', 'gpu', 'balanced', "
+        "'replicated', a device string or a device function, got %r"
+        % (variable_device,))
+  try:
+    tf.DeviceSpec.from_string(variable_device)
+  except ValueError as e:
+    raise ValueError(
+        "variable_device %r is not 'cpu', 'gpu', 'balanced', 'replicated' or "
+        "a valid device string such as '/cpu:0': %s"
+        % (variable_device, e)) from None
+
+
 def variable_placer(variable_device: VariableDevice,
                     devices: Sequence[str]) -> DeviceFn:
   """Returns a function mapping a variable op to its device string.
@@ -77,20 +103,12 @@ def variable_placer(variable_device: VariableDevice,
   Args:
     variable_device: ``"cpu"``, ``"gpu"``, ``"balanced"``, ``"replicated"``
       (copy 0 on the first tower's device), a device string or a device
-      function (such as ``tf.train.replica_device_setter(...)``).
+      function (such as ``tf.train.replica_device_setter(...)``), checked
+      by `check_variable_device`.
     devices: the tower devices, ``[num_towers]``.
-
-  Raises:
-    TypeError: if `variable_device` is neither a string nor callable.
-    ValueError: if the string is not a valid device.
   """
   if callable(variable_device):
     return variable_device
-  if not isinstance(variable_device, str):
-    raise TypeError(
-        "expected variable_device to be 'cpu', 'gpu', 'balanced', "
-        "'replicated', a device string or a device function, got %r"
-        % (variable_device,))
   if variable_device == "cpu":
     return lambda op: "/device:CPU:0"
   if variable_device in ("gpu", REPLICATED):
@@ -100,13 +118,6 @@ def variable_placer(variable_device: VariableDevice,
     return lambda op: first
   if variable_device == "balanced":
     return _Balanced(devices)
-  try:
-    tf.DeviceSpec.from_string(variable_device)
-  except ValueError as e:
-    raise ValueError(
-        "variable_device %r is not 'cpu', 'gpu', 'balanced', 'replicated' or "
-        "a valid device string such as '/cpu:0': %s"
-        % (variable_device, e)) from None
   return lambda op: variable_device
 
 

@@ -45,10 +45,8 @@ class GraphState:
       device, which read every tower's part by design.
     weight_decay: `_regularization`: a tower's gradient's name -> its data
       part and its weight-decay parts.
-    share_records: `_shares`: each recorded set of towers' shares of the
-      global batch.
-    shares: `_shares`: a tower's gradient tensor's name -> ``(record, tower
-      index)``.
+    plans: `_shares`: a tower's gradient tensor's name -> ``(the towers'
+      `_plan.Plan`, tower index)``.
   """
 
   def __init__(self) -> None:
@@ -67,8 +65,7 @@ class GraphState:
     self.launch_orders: Dict[tf.Operation, Any] = {}
     self.sum_ops: Set[tf.Operation] = set()
     self.weight_decay: Dict[str, Tuple[tf.Tensor, List[tf.Tensor]]] = {}
-    self.share_records: List[List[Any]] = []
-    self.shares: Dict[str, Tuple[int, int]] = {}
+    self.plans: Dict[str, Tuple[Any, int]] = {}
 
 
 def of(graph: Optional[tf.Graph] = None) -> GraphState:

@@ -8,7 +8,7 @@ tower context. `build_towers` and `infer` each say what a tower builds.
 
 import collections
 import contextlib
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import tensorflow.compat.v1 as tf
 
@@ -19,6 +19,7 @@ from towers import _devices
 from towers import _inputs
 from towers import _names
 from towers import _placement
+from towers import _plan
 from towers import _precision
 from towers import _reduction
 from towers import _regularization_view
@@ -35,20 +36,15 @@ BuiltTowers = collections.namedtuple("BuiltTowers", [
 
 def build_each_tower(tower_fn: Callable[[int, str, List[object],
                                           Optional[tf.Operation]], object],
-                     num_towers: int, *, inputs: _inputs.Inputs,
-                     devices: Optional[Sequence[str]],
-                     variable_device: _placement.VariableDevice,
-                     tower_name: str, allow_empty: bool = False,
-                     compute_dtype: _precision.ComputeDtype = None,
-                     stage_inputs: bool = False,
-                     all_reduce: str = "auto",
+                     plan: _plan.Plan, *, inputs: _inputs.Inputs,
+                     allow_empty: bool = False,
                      steps: Optional[Callable[[List[object]],
                                               List[List[object]]]] = None
                     ) -> BuiltTowers:
   """Calls ``tower_fn(index, scope, batch, check)`` once in each tower.
 
   The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
-  built under its device function and ``tf.name_scope('tower_i')`` inside
+  built on ``plan.devices[i]`` under ``tf.name_scope('tower_i')`` inside
   the caller's variable scope, reusing tower 0's variables, on its own view
   of the regularization losses (`_regularization_view`); `batch` is the
   list of arguments its model function takes after the scope; `check` is
@@ -56,13 +52,12 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   tower computes must wait for. The caller's name scope is kept as it is
   (``model/tower_0/``, not ``model/model/``).
 
-  With `compute_dtype`, `tower_fn` runs under `_precision.master_weights`;
-  with `stage_inputs`, every tower's batch is read first, tower after tower,
-  and the towers are built on the staged batches (`_staging.stage`).
-  `all_reduce`, the replicated towers' algorithm, decides with the devices
-  how their cross-tower sums are built (`_context.TowerSet`); `steps`, given
-  the results, returns the roots of each step that will run part of them
-  (several losses), for the order the sums launch in.
+  With the plan's `compute_dtype`, `tower_fn` runs under
+  `_precision.master_weights`; with `stage_inputs`, every tower's batch is
+  read first, tower after tower, and the towers are built on the staged
+  batches (`_staging.stage`). `steps`, given the results, returns the roots
+  of each step that will run part of them (several losses), for the order
+  the cross-tower sums launch in.
 
   Returns:
     A `BuiltTowers`: ``[num_towers]`` results of `tower_fn`, the scopes, the
@@ -71,46 +66,36 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
     losses each tower added.
 
   Raises:
-    RuntimeError: under eager execution.
-    TypeError, ValueError: for bad devices or inputs, or a tower after the
-      first that creates a trainable variable.
+    TypeError, ValueError: for bad inputs, or a tower after the first that
+      creates a trainable variable.
   """
-  if tf.executing_eagerly():
-    raise RuntimeError(
-        "towers builds graphs, but eager execution is on (the TensorFlow 2 "
-        "default): call tf.compat.v1.disable_eager_execution() (or "
-        "tf.compat.v1.disable_v2_behavior()) at the start of your program, "
-        "or build inside `with tf.Graph().as_default():`")
   # Tower 0's random ops are seeded as if the ops built here before its
   # model were not (TensorFlow 1.15 counts them).
   first_op = _tf_internals.last_op_id()
-  devices = check_devices(devices, num_towers)
-  compute_dtype = _precision.check_compute_dtype(compute_dtype)
-  if stage_inputs and inputs is None:
-    raise ValueError("stage_inputs=True stages the towers' inputs, but "
-                     "inputs is None (model_fn reads its own); pass inputs "
-                     "(a batch or a callable such as iterator.get_next)")
-  placer = _placement.variable_placer(variable_device, devices)
-  replicated = variable_device == _placement.REPLICATED
+  devices = list(plan.devices)
+  num_towers = len(devices)
+  placer = plan.placer()
+  replicated = plan.replicated
   # First, so that a session lacking a tower device names the check's fix.
-  check = _device_check.build(devices, placer, "%s_device_check" % tower_name)
+  check = _device_check.build(devices, placer,
+                              "%s_device_check" % plan.tower_name)
   shards, weights = None, None
   if inputs is not None and not callable(inputs):
     shards, weights = _inputs.split_inputs(inputs, num_towers,
                                            allow_empty=allow_empty)
   # A staged batch is sized from what was staged, as a callable's is.
-  sized = callable(inputs) or stage_inputs
+  sized = callable(inputs) or plan.stage_inputs
   # The towers' name scopes; staging opens them first, to read the batches,
   # and the towers re-enter them.
-  names = ["%s_%d" % (tower_name, i) for i in range(num_towers)]
+  names = ["%s_%d" % (plan.tower_name, i) for i in range(num_towers)]
   staged = None
-  if stage_inputs:
+  if plan.stage_inputs:
     names, staged = _read_staged(inputs, shards, devices, placer, names)
     weights = None
   trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
   tower_set = _context.TowerSet(devices, uniform=not sized and (
       weights is None or _reduction.is_uniform(weights)), device_check=check,
-                                all_reduce=all_reduce)
+                                sums=plan.sums)
   start = _tf_internals.last_op_id()
   # A replicated tower reads its copies once they are set from copy 0.
   copies_start = _startup.Start() if replicated else None
@@ -144,7 +129,7 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
       gated = copies_start.gated() if copies_start and i > 0 \
           else contextlib.nullcontext()
       with tower_set.tower(i, scope, share), \
-          _precision.master_weights(compute_dtype), \
+          _precision.master_weights(plan.compute_dtype), \
           _regularization_view.tower(scope, *first) as kept, seeds, gated:
         results.append(tower_fn(i, scope, batch, check))
       added.append(kept)
@@ -186,30 +171,6 @@ def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],
     scopes.append(scope)
     batches.append(batch)
   return scopes, _staging.stage(batches, devices, scopes)
-
-
-def check_devices(devices: Optional[Sequence[str]],
-                   num_gpus: int) -> List[str]:
-  if devices is None:
-    return _devices.tower_devices(num_gpus)
-  if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
-    raise TypeError("expected devices to be a list of %d device strings, got "
-                    "%r" % (num_gpus, devices))
-  if len(devices) != num_gpus:
-    raise ValueError(
-        "expected one device per tower: num_gpus=%d but devices has %d "
-        "entries (%s); pass num_gpus=len(devices)"
-        % (num_gpus, len(devices), ", ".join(map(repr, devices))))
-  for d in devices:
-    if not isinstance(d, str):
-      raise TypeError("expected device strings such as '/gpu:0', got %r in "
-                      "devices" % (d,))
-    try:
-      tf.DeviceSpec.from_string(d)
-    except ValueError as e:
-      raise ValueError("devices holds %r, which is not a device string such "
-                       "as '/gpu:0': %s" % (d, e)) from None
-  return list(devices)
 
 
 def _unshared_variable_error(var: tf.Variable, scope: str) -> ValueError:
