@@ -2,9 +2,10 @@
 
   python examples/towers_by_hand.py --num_gpus=2 --steps=300
 
-The seed's manual flow on synthetic MNIST-sized data: `towers.build_towers`
-runs the model once per tower (``tower_0``, ``tower_1``, ...) on its own
-shard of the batch, with the variables shared on the CPU;
+The CIFAR-10 tutorial's manual flow on synthetic MNIST-sized data:
+`towers.build_towers` runs the model once per tower (``tower_0``,
+``tower_1``, ...) on its own shard of the batch, with the variables shared
+on the CPU;
 `towers.average_gradients` is the synchronization point; one
 ``opt.apply_gradients`` updates the variables. Without GPUs the towers run
 on virtual CPU devices. `towers.minimize` is these three steps in one call.

@@ -1,4 +1,4 @@
-"""The seed's by-hand step: average, transform, opt.apply_gradients, any mode.
+"""The tutorial's by-hand step: average, transform, apply_gradients, any mode.
 
 Each test compares N towers with the same model trained on one device (or,
 for placement, with the devices the session ran each op on).
@@ -109,7 +109,7 @@ def _one_device(make_opt, x, y, restore=None):
 
 
 def _by_hand(make_opt, mode, x, y, save=None, restore=None, num=2):
-  """The seed's flow on towers: build, average, clip, opt.apply_gradients."""
+  """The tutorial's flow on towers: build, average, clip, apply_gradients."""
   with tf.Graph().as_default():
     opt = make_opt()
     t = towers.build_towers(

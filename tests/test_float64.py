@@ -3,7 +3,7 @@
 With the batch size known only at run time, each tower's share of the batch
 is a tensor; a float32 share would leave the averaged float64 gradient about
 3e-8 off one device's. Every path that weighs the towers is checked: the
-seed's weightless ``average_gradients``, explicit ``weights=t.weights`` and
+tutorial's weightless ``average_gradients``, explicit ``weights=t.weights`` and
 `towers.minimize`.
 """
 

@@ -228,7 +228,7 @@ def test_the_by_hand_flow_per_loss_is_the_same(mode):
         devices=devices(num), var_list=VAR_LIST, **mode)
     ops = {}
     for key in ("d", "g"):
-      # The seed's lines, per loss: no weights, the towers' own shares.
+      # The tutorial's lines, per loss: no weights, the towers' own shares.
       with tf.control_dependencies(t.update_ops[key]):
         grads = towers.average_gradients(t.tower_grads[key])
         ops[key] = opts[key].apply_gradients(grads)

@@ -1,12 +1,13 @@
 """Applying the averaged gradients once: to the variables and every copy.
 
-The seed's step ends with ``opt.apply_gradients`` on the averaged pairs, which
-are copy 0's (single-device) pairs in every mode. With replicated towers the
-other copies must take the same update, each on its own device: whatever the
-pairs went through after `average_gradients` (clipping by global norm,
-scaling, filtering) is built again from that copy's averaged gradients
-(`_replay`), and one ``apply_gradients`` call updates every copy, so that an
-optimizer's own state (Adam's beta powers, the global step) advances once.
+The CIFAR-10 tutorial's step ends with ``opt.apply_gradients`` on the
+averaged pairs, which are copy 0's (single-device) pairs in every mode. With
+replicated towers the other copies must take the same update, each on its
+own device: whatever the pairs went through after `average_gradients`
+(clipping by global norm, scaling, filtering) is built again from that
+copy's averaged gradients (`_replay`), and one ``apply_gradients`` call
+updates every copy, so that an optimizer's own state (Adam's beta powers,
+the global step) advances once.
 
 An optimizer that makes its update itself (Google BERT's
 ``AdamWeightDecayOptimizer`` computes Adam with plain ops and makes its ``m``

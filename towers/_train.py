@@ -27,8 +27,8 @@ def minimize(model_fn: Callable[..., object],
              **build_towers_kwargs) -> Tuple[tf.Operation, _build.Towers]:
   """Builds the towers and one synchronous training step over all of them.
 
-  The seed's step in one call: `build_towers`, `average_gradients` with the
-  towers' weights (also waiting for the update ops and the losses), an
+  The tutorial's step in one call: `build_towers`, `average_gradients` with
+  the towers' weights (also waiting for the update ops and the losses), an
   optional clip by global norm, then `apply_gradients`; with
   `accumulate_steps`, through `accumulate_gradients`. With a dict of losses
   and of optimizers, one such step per loss. See docs/api.md.
