@@ -1,17 +1,18 @@
 """Building the towers: one model replica per device, variables shared."""
 
 import collections
+import functools
 from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow.compat.v1 as tf
 
 from towers import _apply
-from towers import _copies
 from towers import _device_check
 from towers import _inputs
 from towers import _isolation
 from towers import _loss_paths
 from towers import _losses
+from towers import _modes
 from towers import _placement
 from towers import _plan
 from towers import _precision
@@ -122,80 +123,14 @@ def build_towers(model_fn: Callable[..., object],
   for each in opts.values():
     # The tutorial's own opt.apply_gradients(...) then updates every copy.
     _apply.route(each)
-  replicated = plan.replicated
-  devices = plan.devices
-  # Each loss's variables: resolved in tower 0, once it has made them.
-  var_lists: Dict[_losses.Key, Optional[List[tf.Variable]]] = {}
-  # Each loss's variables in tower 0, whose copies a replicated tower trains.
-  first_vars: Dict[_losses.Key, List[tf.Variable]] = {}
-
-  def tower(index, scope, batch, check):
-    start = _tf_internals.last_op_id()
-    losses, output = _losses.check_result(model_fn(scope, *batch), scope,
-                                          keys)
-    made_by_model = _tf_internals.made_after(start)
-    # A Keras layer's updates (batch norm's), which nothing would run.
-    _updates.collect(made_by_model, scope, list(losses.values()), output)
-    if replicated and index > 0:
-      # A Keras model's variables, which tf.get_variable did not copy.
-      _copies.read_copies(index, devices[index], scope, made_by_model)
-    # Weight decay's ops next to their variables, not on the tower (a
-    # replicated tower's copies are on its own device already).
-    terms = {} if replicated else _regularization.place(
-        list(losses.values()), batch, scope)
-    # The gradients, and so every reduction of them, wait for the check.
-    for loss in losses.values():
-      _device_check.gate(loss, check)
-    # Tower 0's batch-norm updates stand for all (tf-slim's choice): running
-    # every tower's would apply N updates per step. Each loss's step runs
-    # those its loss goes through, as one device's would.
-    update_ops = _loss_paths.by_key(
-        tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope) if index == 0
-        else [], losses, made_by_model)
-    # Only the final tower's summaries are kept: the towers' would share
-    # tags once the tower prefix is stripped. Each goes with the first loss
-    # whose step computes what it reads.
-    last = index == plan.num_towers - 1
-    summaries = _loss_paths.by_key(
-        tf.get_collection(tf.GraphKeys.SUMMARIES, scope) if last else [],
-        losses, made_by_model, first=True)
-    if index == 0:
-      var_lists.update(_losses.resolve(entries))
-    grads = {}
-    for key, loss in losses.items():
-      made = _tf_internals.last_op_id()
-      if index > 0 and replicated:
-        grads[key] = _copies.tower_gradients(
-            opts[key], loss, first_vars[key], index,
-            **compute_gradients_kwargs)
-      else:
-        kwargs = dict(compute_gradients_kwargs)
-        if var_lists[key] is not None:
-          kwargs["var_list"] = var_lists[key]
-        grads[key] = opts[key].compute_gradients(loss, **kwargs)
-        first_vars.setdefault(key, [v for _, v in grads[key]])
-      _regularization.split(grads[key], made, terms)
-    return losses, output, grads, update_ops, summaries
-
-  def steps(results) -> List[List[object]]:
-    # What each loss's step runs: its losses, gradients and update ops.
-    found = []
-    for key in keys:
-      roots: List[object] = []
-      for losses, _, grads, updates, _ in results:
-        roots += [losses[key]] + list(updates[key]) + [
-            g for g, _ in grads[key] if g is not None]
-      found.append(roots)
-    return found
-
+  tower = _Tower(model_fn, opts, entries, compute_gradients_kwargs,
+                 _modes.builder(plan))
   built = _tower_loop.build_each_tower(
-      tower, plan, inputs=inputs, steps=steps if len(keys) > 1 else None)
+      tower, tower.builder, inputs=inputs,
+      steps=functools.partial(_step_roots, keys) if len(keys) > 1 else None)
   losses, outputs, tower_grads, update_ops, summaries = zip(*built.results)
   by_key = {key: [each[key] for each in losses] for key in keys}
   grads_by_key = {key: [each[key] for each in tower_grads] for key in keys}
-  if plan.all_reduce:
-    _copies.record_all_reduce(
-        [v for key in keys for _, v in grads_by_key[key][0]], plan.all_reduce)
   _isolation.check_losses(by_key, built.scopes, built.batches,
                           added=built.regularization_losses)
   plan = plan.with_shares(built.weights)
@@ -217,3 +152,70 @@ def build_towers(model_fn: Callable[..., object],
                 batch_size=built.batch_size, applies=None,
                 plan=plan)
 
+
+class _Tower:
+  """What `build_towers` builds in each tower: the model, its checks, each
+  loss's gradients (by the mode's builder), its update ops and summaries."""
+
+  def __init__(self, model_fn: Callable[..., object],
+               opts: Dict[_losses.Key, tf.train.Optimizer],
+               entries: Dict[_losses.Key, object],
+               kwargs: Dict[str, object],
+               builder: _modes.OneCopy):
+    self._model_fn = model_fn
+    self._opts = opts
+    self._entries = entries
+    self._kwargs = kwargs
+    self.builder = builder
+    # Each loss's variables: resolved in tower 0, once it has made them.
+    self._var_lists: Dict[_losses.Key, Optional[List[tf.Variable]]] = {}
+
+  def __call__(self, index: int, scope: str, batch: List[object],
+               check: Optional[tf.Operation]):
+    start = _tf_internals.last_op_id()
+    losses, output = _losses.check_result(self._model_fn(scope, *batch),
+                                          scope, list(self._opts))
+    made_by_model = _tf_internals.made_after(start)
+    # A Keras layer's updates (batch norm's), which nothing would run.
+    _updates.collect(made_by_model, scope, list(losses.values()), output)
+    terms = self.builder.after_model(index, scope, batch,
+                                     list(losses.values()), made_by_model)
+    # The gradients, and so every reduction of them, wait for the check.
+    for loss in losses.values():
+      _device_check.gate(loss, check)
+    # Tower 0's batch-norm updates stand for all (tf-slim's choice): running
+    # every tower's would apply N updates per step. Each loss's step runs
+    # those its loss goes through, as one device's would.
+    update_ops = _loss_paths.by_key(
+        tf.get_collection(tf.GraphKeys.UPDATE_OPS, scope) if index == 0
+        else [], losses, made_by_model)
+    # Only the final tower's summaries are kept: the towers' would share
+    # tags once the tower prefix is stripped. Each goes with the first loss
+    # whose step computes what it reads.
+    last = index == self.builder.plan.num_towers - 1
+    summaries = _loss_paths.by_key(
+        tf.get_collection(tf.GraphKeys.SUMMARIES, scope) if last else [],
+        losses, made_by_model, first=True)
+    if index == 0:
+      self._var_lists.update(_losses.resolve(self._entries))
+    grads = {}
+    for key, loss in losses.items():
+      made = _tf_internals.last_op_id()
+      grads[key] = self.builder.gradients(
+          index, key, self._opts[key], loss, self._var_lists[key],
+          self._kwargs)
+      _regularization.split(grads[key], made, terms)
+    return losses, output, grads, update_ops, summaries
+
+
+def _step_roots(keys: List[_losses.Key],
+                results: List[tuple]) -> List[List[object]]:
+  """What each loss's step runs: its losses, gradients and update ops."""
+  found = []
+  for key in keys:
+    roots: List[object] = []
+    for losses, _, grads, updates, _ in results:
+      roots += [losses[key]] + list(updates[key]) + [
+          g for g, _ in grads[key] if g is not None]
+    found.append(roots)
+  return found

@@ -5,6 +5,7 @@ from typing import Callable, Optional, Sequence
 import tensorflow.compat.v1 as tf
 
 from towers import _device_check
+from towers import _modes
 from towers import _placement
 from towers import _plan
 from towers import _tower_loop
@@ -68,8 +69,8 @@ def infer(model_fn: Callable[..., object],
             "on axis 0" % (t.name, scope.rstrip("/")))
     return outputs
 
-  built = _tower_loop.build_each_tower(tower, plan, inputs=inputs,
-                                       allow_empty=True)
+  built = _tower_loop.build_each_tower(tower, _modes.builder(plan),
+                                       inputs=inputs, allow_empty=True)
   first = built.results[0]
   for outputs, scope in zip(built.results[1:], built.scopes[1:]):
     try:

@@ -100,8 +100,9 @@ def resolve(num_towers: int, *,
         "or build inside `with tf.Graph().as_default():`")
   count = _devices.check_count("num_gpus", num_towers)
   _allreduce.check_name(all_reduce)
+  workers = _workers.check_count(num_workers)
   replicated = variable_device == _placement.REPLICATED
-  _check_replicated(variable_device, all_reduce, optimizers)
+  _check_fit(variable_device, all_reduce, workers, optimizers)
   resolved = check_devices(devices, count)
   _placement.check_variable_device(variable_device)
   dtype = _precision.check_compute_dtype(compute_dtype)
@@ -109,7 +110,7 @@ def resolve(num_towers: int, *,
     raise ValueError("stage_inputs=True stages the towers' inputs, but "
                      "inputs is None (model_fn reads its own); pass inputs "
                      "(a batch or a callable such as iterator.get_next)")
-  workers = _workers.check(num_workers, resolved, replicated, all_reduce)
+  _workers.check_tasks(workers, resolved)
   _workers.register(resolved, workers)
   algorithm = _allreduce.resolve(all_reduce if replicated else "auto",
                                  resolved)
@@ -146,11 +147,24 @@ def check_devices(devices: Optional[Sequence[str]],
   return list(devices)
 
 
-def _check_replicated(variable_device: _placement.VariableDevice,
-                      all_reduce: str,
-                      optimizers: Iterable[tf.train.Optimizer]) -> None:
-  """Raises if `all_reduce` or an optimizer does not fit `variable_device`."""
+def _check_fit(variable_device: _placement.VariableDevice, all_reduce: str,
+               num_workers: int,
+               optimizers: Iterable[tf.train.Optimizer]) -> None:
+  """Raises if `all_reduce`, the workers or an optimizer does not fit
+  `variable_device`."""
   replicated = variable_device == _placement.REPLICATED
+  if num_workers > 1 and not replicated:
+    raise ValueError(
+        "num_workers=%d all-reduces the gradients across workers, which "
+        "needs each worker to keep its own copies: pass "
+        "variable_device='replicated' (or, for variables on parameter "
+        "servers, num_workers=1 with tf.train.replica_device_setter)"
+        % num_workers)
+  if num_workers > 1 and all_reduce not in ("auto", "collective"):
+    raise ValueError(
+        "num_workers=%d reduces with TensorFlow's collective ops across "
+        "workers, but all_reduce=%r; pass all_reduce='collective' or "
+        "'auto'" % (num_workers, all_reduce))
   if not replicated and all_reduce != "auto":
     raise ValueError(
         "all_reduce=%r applies to variable_device='replicated' (a copy of the "

@@ -1,9 +1,10 @@
 """The tower loop: the recipe's loop over devices, shared by every builder.
 
 Tower ``i`` is built under its device function and ``tf.name_scope('tower_i')``
-inside the caller's variable scope, reusing tower 0's variables (replicated:
-its own copies), with its share of the batch, as the current tower of the
-tower context. `build_towers` and `infer` each say what a tower builds.
+inside the caller's variable scope, reusing tower 0's variables (or, by its
+mode's builder, `_modes`, its own copies), with its share of the batch, as
+the current tower of the tower context. `build_towers` and `infer` each say
+what a tower builds.
 """
 
 import collections
@@ -13,18 +14,15 @@ from typing import Callable, List, Optional
 import tensorflow.compat.v1 as tf
 
 from towers import _context
-from towers import _copies
 from towers import _device_check
-from towers import _devices
 from towers import _inputs
+from towers import _modes
 from towers import _names
 from towers import _placement
-from towers import _plan
 from towers import _precision
 from towers import _reduction
 from towers import _regularization_view
 from towers import _staging
-from towers import _startup
 from towers import _tf_internals
 from towers import _tf_versions
 
@@ -36,7 +34,7 @@ BuiltTowers = collections.namedtuple("BuiltTowers", [
 
 def build_each_tower(tower_fn: Callable[[int, str, List[object],
                                           Optional[tf.Operation]], object],
-                     plan: _plan.Plan, *, inputs: _inputs.Inputs,
+                     builder: _modes.OneCopy, *, inputs: _inputs.Inputs,
                      allow_empty: bool = False,
                      steps: Optional[Callable[[List[object]],
                                               List[List[object]]]] = None
@@ -44,12 +42,13 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   """Calls ``tower_fn(index, scope, batch, check)`` once in each tower.
 
   The recipe's loop, shared by `build_towers` and `infer`: tower ``i`` is
-  built on ``plan.devices[i]`` under ``tf.name_scope('tower_i')`` inside
-  the caller's variable scope, reusing tower 0's variables, on its own view
-  of the regularization losses (`_regularization_view`); `batch` is the
-  list of arguments its model function takes after the scope; `check` is
-  the towers' `_device_check` (None where none is needed), which what the
-  tower computes must wait for. The caller's name scope is kept as it is
+  built on the device the plan of `builder` (its mode's, `_modes`) gives it,
+  under ``tf.name_scope('tower_i')`` inside the caller's variable scope,
+  reusing tower 0's variables, on its own view of the regularization
+  losses (`_regularization_view`); `batch` is the list of arguments its
+  model function takes after the scope; `check` is the towers'
+  `_device_check` (None where none is needed), which what the tower
+  computes must wait for. The caller's name scope is kept as it is
   (``model/tower_0/``, not ``model/model/``).
 
   With the plan's `compute_dtype`, `tower_fn` runs under
@@ -72,10 +71,10 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   # Tower 0's random ops are seeded as if the ops built here before its
   # model were not (TensorFlow 1.15 counts them).
   first_op = _tf_internals.last_op_id()
+  plan = builder.plan
   devices = list(plan.devices)
   num_towers = len(devices)
   placer = plan.placer()
-  replicated = plan.replicated
   # First, so that a session lacking a tower device names the check's fix.
   check = _device_check.build(devices, placer,
                               "%s_device_check" % plan.tower_name)
@@ -97,8 +96,6 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
       weights is None or _reduction.is_uniform(weights)), device_check=check,
                                 sums=plan.sums)
   start = _tf_internals.last_op_id()
-  # A replicated tower reads its copies once they are set from copy 0.
-  copies_start = _startup.Start() if replicated else None
   results, batches, sizes = [], [], []
   scopes: List[str] = []
   # The regularization losses each tower added.
@@ -107,11 +104,10 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   requested: List[str] = []
   for i, device in enumerate(devices):
     known = len(trainable)
-    copies = _copies.tower_copies(i, device) if replicated \
-        else contextlib.nullcontext()
     with _names.tower_variable_scope(
         outer, i, names[i].rstrip("/"), requested), \
-        _placement.tower_placement(device, placer), copies, \
+        _placement.tower_placement(device, placer), \
+        builder.tower(i, device), \
         tf.name_scope(names[i]) as scope, \
         _names.single_device_names(scope, i), \
         _tf_versions.variables_outside_xla():
@@ -126,11 +122,10 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
       first = (scopes[0], added[0]) if i > 0 else ()
       seeds = _tf_internals.op_seeds_as_if_alone(first_op) if i == 0 \
           else contextlib.nullcontext()
-      gated = copies_start.gated() if copies_start and i > 0 \
-          else contextlib.nullcontext()
       with tower_set.tower(i, scope, share), \
           _precision.master_weights(plan.compute_dtype), \
-          _regularization_view.tower(scope, *first) as kept, seeds, gated:
+          _regularization_view.tower(scope, *first) as kept, seeds, \
+          builder.gated(i):
         results.append(tower_fn(i, scope, batch, check))
       added.append(kept)
       if i > 0 and len(trainable) > known:
@@ -138,9 +133,7 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
     scopes.append(scope)
     batches.append(batch)
   tower_set.finish(start, steps(results) if steps else None)
-  if copies_start:
-    copies_start.finish(_devices.host(devices[0]),
-                        _copies.of_towers(range(1, num_towers)))
+  builder.finish()
   if weights is None:
     weights = _inputs.size_weights(sizes) if sized else [
         1.0 / num_towers] * num_towers

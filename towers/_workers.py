@@ -21,15 +21,12 @@ from towers import _tf_versions
 from towers import _state
 
 
-def check(num_workers: object, devices: Sequence[str],
-          replicated: bool, all_reduce: str) -> int:
-  """Returns `num_workers` after checking it fits the towers.
+def check_count(num_workers: object) -> int:
+  """Returns `num_workers` if it is an int of at least 1.
 
   Raises:
     TypeError: if `num_workers` is not an int.
-    ValueError: if it is below 1; or, above 1, if the towers are not
-      replicated, reduce with another all-reduce than ``"collective"``, or
-      their devices do not all name the same job and task.
+    ValueError: if it is below 1.
   """
   if isinstance(num_workers, bool) or not isinstance(num_workers,
                                                      numbers.Integral):
@@ -39,20 +36,19 @@ def check(num_workers: object, devices: Sequence[str],
   if num_workers < 1:
     raise ValueError("expected num_workers >= 1 (the worker tasks that "
                      "all-reduce together), got %d" % num_workers)
+  return num_workers
+
+
+def check_tasks(num_workers: int, devices: Sequence[str]) -> None:
+  """Raises unless towers on `devices` can be one of `num_workers` workers.
+
+  Raises:
+    ValueError: above 1 worker, if the devices do not all name the same job
+      and task, or a task outside the workers; or if this TensorFlow's
+      collectives would wait forever for a worker that never comes.
+  """
   if num_workers == 1:
-    return 1
-  if not replicated:
-    raise ValueError(
-        "num_workers=%d all-reduces the gradients across workers, which "
-        "needs each worker to keep its own copies: pass "
-        "variable_device='replicated' (or, for variables on parameter "
-        "servers, num_workers=1 with tf.train.replica_device_setter)"
-        % num_workers)
-  if all_reduce not in ("auto", "collective"):
-    raise ValueError(
-        "num_workers=%d reduces with TensorFlow's collective ops across "
-        "workers, but all_reduce=%r; pass all_reduce='collective' or "
-        "'auto'" % (num_workers, all_reduce))
+    return
   tasks = {_task(d) for d in devices}
   if len(tasks) != 1 or None in tasks:
     raise ValueError(
@@ -74,7 +70,6 @@ def check(num_workers: object, devices: Sequence[str],
         "later, or parameter servers (num_workers=1 with "
         "tf.train.replica_device_setter)"
         % (num_workers, _tf_versions.describe()))
-  return num_workers
 
 
 def _task(device: str):
