@@ -84,82 +84,99 @@ def accumulate_gradients(towers, apply_fn: ApplyFn,
     raise TypeError("expected apply_fn to be callable as apply_fn("
                     "tower_grads, weights) -> op, got %r" % (apply_fn,))
   _gradients.check_tower_grads(tower_grads)
-  weights = list(towers.weights)
-  # Weights known only at run time: micro-batches may differ in size.
-  sized = towers.batch_size is not None and not all(
-      isinstance(w, numbers.Real) for w in weights)
-  home = _devices.host(towers.devices[0])
   outer = _tf_versions.name_scope(tf.get_default_graph())
   with tf.name_scope("accumulate_gradients"):
-    with tf.device(home):
-      count = _local_variable("count", [], tf.float32)
-      examples = _local_variable("examples", [], tf.float32) \
-          if sized else None
-      applies = tf.greater_equal(_read(count), float(steps - 1),
-                                 name="applies")
-    accumulators = [
-        [_Accumulator(grad, var, scope, device)
-         for grad, var in pairs]
-        for pairs, scope, device in zip(tower_grads, towers.scopes,
-                                        towers.devices)]
-    adds = []
-    with tf.control_dependencies(list(towers.update_ops) +
-                                 list(towers.losses)):
-      for i, tower in enumerate(accumulators):
-        with tf.device(towers.devices[i]):
-          # The tower's examples, a whole number: float64 weights times
-          # the batch, rounded, whatever the gradients' dtype.
-          factor = tf.round(tf.cast(weights[i], tf.float64) * tf.cast(
-              towers.batch_size, tf.float64)) if sized else None
-        for accumulator in tower:
-          adds.extend(accumulator.add(factor))
-      if examples is not None:
-        with tf.device(home):
-          adds.append(examples.assign_add(towers.batch_size).op)
-    with tf.control_dependencies(adds):
-      ready = tf.identity(applies)
-
-    def apply() -> tf.Tensor:
-      if examples is not None:
-        with tf.device(home):
-          share = 1.0 / tf.cast(_read(examples), tf.float64)
-        scale, apply_weights = None, [share] * len(weights)
-      else:
-        scale, apply_weights = 1.0 / steps, weights
-      grads = [[(a.value(scale), a.var) for a in tower]
-               for tower in accumulators]
-      # The tutorial's average_gradients(tower_grads), without weights,
-      # takes these.
-      _shares.record(grads, towers.plan.with_shares(apply_weights))
-      # In the caller's name scope, as without accumulation: an optimizer's
-      # own variables (Adam's beta powers) keep their single-device names.
-      with tf.name_scope(outer + "/" if outer else ""):
-        op = apply_fn(grads, apply_weights)
-      if not isinstance(op, (tf.Operation, tf.Tensor)):
-        raise TypeError("expected apply_fn to return the op that applies "
-                        "the gradients (what apply_gradients returns), got "
-                        "%r" % (op,))
-      with tf.control_dependencies([op]):
-        clears = [c for tower in accumulators for a in tower
-                  for c in a.clear()]
-        with tf.device(home):
-          clears.append(count.assign(0.0).op)
-          if examples is not None:
-            clears.append(examples.assign(0.0).op)
-      with tf.control_dependencies(clears):
-        return tf.constant(True)
-
-    def accumulate() -> tf.Tensor:
-      with tf.device(home), tf.control_dependencies([
-          count.assign_add(1.0).op]):
-        return tf.constant(False)
-
+    run = _Accumulation(towers, steps)
+    ready = run.add()
     # A v1 condition even under control flow v2, whose branches would be
     # graphs of their own, where the graph's state of the reduction (the
     # workers' group, the instance keys, the copies) is not found.
-    applied = _tf_internals.cond_v1(ready, apply, accumulate,
-                                    name="apply_or_accumulate")
-  return applied.op, applies
+    applied = _tf_internals.cond_v1(
+        ready, lambda: run.apply(apply_fn, outer), run.count,
+        name="apply_or_accumulate")
+  return applied.op, run.applies
+
+
+class _Accumulation:
+  """The accumulators of every tower, the run counter, and the two branches:
+  count a run, or apply the sums and clear them."""
+
+  def __init__(self, towers, steps: int):
+    self._towers = towers
+    self._steps = steps
+    self._weights = list(towers.weights)
+    # Weights known only at run time: micro-batches may differ in size.
+    self._sized = towers.batch_size is not None and not all(
+        isinstance(w, numbers.Real) for w in self._weights)
+    self._home = _devices.host(towers.devices[0])
+    with tf.device(self._home):
+      self._count = _local_variable("count", [], tf.float32)
+      self._examples = _local_variable("examples", [], tf.float32) \
+          if self._sized else None
+      self.applies = tf.greater_equal(_read(self._count), float(steps - 1),
+                                      name="applies")
+    self._accumulators = [
+        [_Accumulator(grad, var, scope, device)
+         for grad, var in pairs]
+        for pairs, scope, device in zip(towers.tower_grads, towers.scopes,
+                                        towers.devices)]
+
+  def add(self) -> tf.Tensor:
+    """Adds this run's gradients; returns whether this run applies."""
+    towers = self._towers
+    adds = []
+    with tf.control_dependencies(list(towers.update_ops) +
+                                 list(towers.losses)):
+      for i, tower in enumerate(self._accumulators):
+        with tf.device(towers.devices[i]):
+          # The tower's examples, a whole number: float64 weights times
+          # the batch, rounded, whatever the gradients' dtype.
+          factor = tf.round(tf.cast(self._weights[i], tf.float64) * tf.cast(
+              towers.batch_size, tf.float64)) if self._sized else None
+        for accumulator in tower:
+          adds.extend(accumulator.add(factor))
+      if self._examples is not None:
+        with tf.device(self._home):
+          adds.append(self._examples.assign_add(towers.batch_size).op)
+    with tf.control_dependencies(adds):
+      return tf.identity(self.applies)
+
+  def apply(self, apply_fn: ApplyFn, outer: str) -> tf.Tensor:
+    """The applying branch: `apply_fn` on the sums, then clear them."""
+    if self._examples is not None:
+      with tf.device(self._home):
+        share = 1.0 / tf.cast(_read(self._examples), tf.float64)
+      scale, weights = None, [share] * len(self._weights)
+    else:
+      scale, weights = 1.0 / self._steps, self._weights
+    grads = [[(a.value(scale), a.var) for a in tower]
+             for tower in self._accumulators]
+    # The tutorial's average_gradients(tower_grads), without weights, takes
+    # these.
+    _shares.record(grads, self._towers.plan.with_shares(weights))
+    # In the caller's name scope, as without accumulation: an optimizer's
+    # own variables (Adam's beta powers) keep their single-device names.
+    with tf.name_scope(outer + "/" if outer else ""):
+      op = apply_fn(grads, weights)
+    if not isinstance(op, (tf.Operation, tf.Tensor)):
+      raise TypeError("expected apply_fn to return the op that applies "
+                      "the gradients (what apply_gradients returns), got "
+                      "%r" % (op,))
+    with tf.control_dependencies([op]):
+      clears = [c for tower in self._accumulators for a in tower
+                for c in a.clear()]
+      with tf.device(self._home):
+        clears.append(self._count.assign(0.0).op)
+        if self._examples is not None:
+          clears.append(self._examples.assign(0.0).op)
+    with tf.control_dependencies(clears):
+      return tf.constant(True)
+
+  def count(self) -> tf.Tensor:
+    """The counting branch: one more micro-batch."""
+    with tf.device(self._home), tf.control_dependencies([
+        self._count.assign_add(1.0).op]):
+      return tf.constant(False)
 
 
 def check_steps(accumulate_steps: object) -> int:

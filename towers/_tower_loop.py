@@ -18,6 +18,7 @@ from towers import _device_check
 from towers import _inputs
 from towers import _modes
 from towers import _names
+from towers import _plan
 from towers import _placement
 from towers import _precision
 from towers import _reduction
@@ -72,75 +73,121 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   # model were not (TensorFlow 1.15 counts them).
   first_op = _tf_internals.last_op_id()
   plan = builder.plan
-  devices = list(plan.devices)
-  num_towers = len(devices)
   placer = plan.placer()
   # First, so that a session lacking a tower device names the check's fix.
-  check = _device_check.build(devices, placer,
+  check = _device_check.build(plan.devices, placer,
                               "%s_device_check" % plan.tower_name)
-  shards, weights = None, None
-  if inputs is not None and not callable(inputs):
-    shards, weights = _inputs.split_inputs(inputs, num_towers,
-                                           allow_empty=allow_empty)
-  # A staged batch is sized from what was staged, as a callable's is.
-  sized = callable(inputs) or plan.stage_inputs
-  # The towers' name scopes; staging opens them first, to read the batches,
-  # and the towers re-enter them.
-  names = ["%s_%d" % (plan.tower_name, i) for i in range(num_towers)]
-  staged = None
-  if plan.stage_inputs:
-    names, staged = _read_staged(inputs, shards, devices, placer, names)
-    weights = None
-  trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
-  tower_set = _context.TowerSet(devices, uniform=not sized and (
-      weights is None or _reduction.is_uniform(weights)), device_check=check,
-                                sums=plan.sums)
+  batches = _Batches(inputs, plan, placer, allow_empty)
+  tower_set = _context.TowerSet(plan.devices, uniform=batches.uniform,
+                                device_check=check, sums=plan.sums)
   start = _tf_internals.last_op_id()
-  results, batches, sizes = [], [], []
-  scopes: List[str] = []
-  # The regularization losses each tower added.
-  added: List[List[object]] = []
-  outer = tf.get_variable_scope()
-  requested: List[str] = []
-  for i, device in enumerate(devices):
-    known = len(trainable)
+  loop = _Loop(tower_fn, builder, placer, check, first_op)
+  for i in range(plan.num_towers):
+    loop.build(i, batches, tower_set)
+  tower_set.finish(start, steps(loop.results) if steps else None)
+  builder.finish()
+  return BuiltTowers(results=loop.results, scopes=loop.scopes,
+                     devices=list(plan.devices), batches=loop.batches,
+                     weights=batches.weights(loop.sizes), device_check=check,
+                     batch_size=_inputs.total_size(inputs, loop.sizes),
+                     regularization_losses=loop.added)
+
+
+class _Batches:
+  """Each tower's batch and share of the global batch, and its name scope
+  (staging opens the scopes first, to read the batches; the towers re-enter
+  them)."""
+
+  def __init__(self, inputs: _inputs.Inputs, plan: _plan.Plan,
+               placer: _placement.DeviceFn, allow_empty: bool):
+    self._inputs = inputs
+    num_towers = plan.num_towers
+    self._shards, self._weights = None, None
+    if inputs is not None and not callable(inputs):
+      self._shards, self._weights = _inputs.split_inputs(
+          inputs, num_towers, allow_empty=allow_empty)
+    # A staged batch is sized from what was staged, as a callable's is.
+    self.sized = callable(inputs) or plan.stage_inputs
+    self.names = ["%s_%d" % (plan.tower_name, i) for i in range(num_towers)]
+    self._staged = None
+    if plan.stage_inputs:
+      self.names, self._staged = _read_staged(
+          inputs, self._shards, list(plan.devices), placer, self.names)
+      self._weights = None
+    self.uniform = not self.sized and (
+        self._weights is None or _reduction.is_uniform(self._weights))
+
+  def batch(self, index: int) -> List[object]:
+    if self._staged:
+      return self._staged[index]
+    return _inputs.tower_batch(self._inputs, self._shards, index)
+
+  def share(self, index: int, size: Optional[object]) -> object:
+    """The tower's share of the global batch, for the gradient of its
+    cross-tower sums: its weight, or for a callable input its batch size
+    (the weight times the same factor in every tower)."""
+    if self._weights is not None:
+      return self._weights[index]
+    return 1.0 if size is None else size
+
+  def weights(self, sizes: List[Optional[object]]) -> List[object]:
+    """Every tower's share of the global batch, once each is built."""
+    if self._weights is not None:
+      return list(self._weights)
+    if self.sized:
+      return _inputs.size_weights(sizes)
+    return [1.0 / len(sizes)] * len(sizes)
+
+
+class _Loop:
+  """The towers built so far: one `build` call per tower, in order."""
+
+  def __init__(self, tower_fn: Callable[..., object],
+               builder: _modes.OneCopy, placer: _placement.DeviceFn,
+               check: Optional[tf.Operation], first_op: int):
+    self._tower_fn = tower_fn
+    self._builder = builder
+    self._placer = placer
+    self._check = check
+    self._first_op = first_op
+    self._trainable = tf.get_collection_ref(tf.GraphKeys.TRAINABLE_VARIABLES)
+    self._outer = tf.get_variable_scope()
+    self._requested: List[str] = []
+    self.results: List[object] = []
+    self.batches: List[List[object]] = []
+    self.sizes: List[Optional[object]] = []
+    self.scopes: List[str] = []
+    # The regularization losses each tower added.
+    self.added: List[List[object]] = []
+
+  def build(self, i: int, batches: _Batches,
+            tower_set: _context.TowerSet) -> None:
+    """Builds tower `i` in its scopes, as the tower context's tower."""
+    known = len(self._trainable)
+    device = self._builder.plan.devices[i]
     with _names.tower_variable_scope(
-        outer, i, names[i].rstrip("/"), requested), \
-        _placement.tower_placement(device, placer), \
-        builder.tower(i, device), \
-        tf.name_scope(names[i]) as scope, \
+        self._outer, i, batches.names[i].rstrip("/"), self._requested), \
+        _placement.tower_placement(device, self._placer), \
+        self._builder.tower(i, device), \
+        tf.name_scope(batches.names[i]) as scope, \
         _names.single_device_names(scope, i), \
         _tf_versions.variables_outside_xla():
-      batch = staged[i] if staged else _inputs.tower_batch(inputs, shards, i)
-      size = _inputs.batch_size(batch) if sized else None
-      sizes.append(size)
-      # The tower's share of the global batch, for the gradient of its
-      # cross-tower sums: its weight, or for a callable input its batch
-      # size (the weight times the same factor in every tower).
-      share = weights[i] if weights is not None else (
-          1.0 if size is None else size)
-      first = (scopes[0], added[0]) if i > 0 else ()
-      seeds = _tf_internals.op_seeds_as_if_alone(first_op) if i == 0 \
+      batch = batches.batch(i)
+      size = _inputs.batch_size(batch) if batches.sized else None
+      self.sizes.append(size)
+      first = (self.scopes[0], self.added[0]) if i > 0 else ()
+      seeds = _tf_internals.op_seeds_as_if_alone(self._first_op) if i == 0 \
           else contextlib.nullcontext()
-      with tower_set.tower(i, scope, share), \
-          _precision.master_weights(plan.compute_dtype), \
+      with tower_set.tower(i, scope, batches.share(i, size)), \
+          _precision.master_weights(self._builder.plan.compute_dtype), \
           _regularization_view.tower(scope, *first) as kept, seeds, \
-          builder.gated(i):
-        results.append(tower_fn(i, scope, batch, check))
-      added.append(kept)
-      if i > 0 and len(trainable) > known:
-        raise _unshared_variable_error(trainable[known], scope)
-    scopes.append(scope)
-    batches.append(batch)
-  tower_set.finish(start, steps(results) if steps else None)
-  builder.finish()
-  if weights is None:
-    weights = _inputs.size_weights(sizes) if sized else [
-        1.0 / num_towers] * num_towers
-  return BuiltTowers(results=results, scopes=scopes, devices=devices,
-                     batches=batches, weights=weights, device_check=check,
-                     batch_size=_inputs.total_size(inputs, sizes),
-                     regularization_losses=added)
+          self._builder.gated(i):
+        self.results.append(self._tower_fn(i, scope, batch, self._check))
+      self.added.append(kept)
+      if i > 0 and len(self._trainable) > known:
+        raise _unshared_variable_error(self._trainable[known], scope)
+    self.scopes.append(scope)
+    self.batches.append(batch)
 
 
 def _read_staged(inputs: _inputs.Inputs, shards: Optional[List[object]],

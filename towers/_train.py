@@ -67,31 +67,18 @@ def minimize(model_fn: Callable[..., object],
         "accumulate_steps=%d with several losses (%s) is not supported: each "
         "loss's train op would accumulate its own runs; train with "
         "accumulate_steps=1, or one loss" % (steps, ", ".join(map(repr, keys))))
-  compute_dtype = _precision.check_compute_dtype(
-      build_towers_kwargs.get("compute_dtype"))
-  scales: Dict[_losses.Key, Optional[_loss_scale.LossScale]] = {}
+  scales = _loss_scales(opts, loss_scale, steps,
+                        build_towers_kwargs.get("compute_dtype"))
   scaled: Dict[_losses.Key, object] = {}
   for key, each in opts.items():
-    if steps > 1 and isinstance(each, tf.train.SyncReplicasOptimizer):
-      raise ValueError(
-          "accumulate_steps=%d sums micro-batches before one update, but "
-          "SyncReplicasOptimizer updates from queues it fills on every run; "
-          "aggregate more gradients per update with its replicas_to_aggregate "
-          "instead, or drop accumulate_steps" % steps)
-    spec = _loss_scale.check(loss_scale, each, compute_dtype)
-    scale = scales[key] = None if spec is None else _loss_scale.LossScale(spec)
+    scale = scales[key]
     scaled[key] = each if scale is None else _loss_scale.ScaledGradients(
         each, scale)
   towers = _build.build_towers(model_fn, _losses.unwrap(scaled), num_gpus,
                                **build_towers_kwargs)
   tower_grads = _losses.keyed(towers.tower_grads, keys)
+  _check_gradients(tower_grads)
   losses = _losses.keyed(towers.losses, keys)
-  for key in keys:
-    if all(g is None for g, _ in tower_grads[key][0]):
-      raise ValueError(
-          "no variable has a gradient%s: none of %s reaches the towers' loss%s"
-          % (_losses.named(key), ", ".join(
-              v.name for _, v in tower_grads[key][0]), _losses.named(key)))
   update_ops = _losses.keyed(towers.update_ops, keys)
   applied: Dict[_losses.Key, _gradients.GradsAndVars] = {}
   train_ops: Dict[_losses.Key, tf.Operation] = {}
@@ -120,6 +107,36 @@ def minimize(model_fn: Callable[..., object],
   return _losses.unwrap(train_ops), towers._replace(
       grads_and_vars=_losses.unwrap(applied), applies=applies,
       loss_scale=_losses.unwrap(loss_scales) if loss_scales else None)
+
+
+def _check_gradients(
+    tower_grads: Dict[_losses.Key, List[_gradients.GradsAndVars]]) -> None:
+  """Raises if a loss reaches none of its variables."""
+  for key, grads in tower_grads.items():
+    if all(g is None for g, _ in grads[0]):
+      raise ValueError(
+          "no variable has a gradient%s: none of %s reaches the towers' loss%s"
+          % (_losses.named(key), ", ".join(v.name for _, v in grads[0]),
+             _losses.named(key)))
+
+
+def _loss_scales(opts: Dict[_losses.Key, tf.train.Optimizer],
+                 loss_scale: _loss_scale.LossScaleSpec, steps: int,
+                 compute_dtype: _precision.ComputeDtype
+                ) -> Dict[_losses.Key, Optional[_loss_scale.LossScale]]:
+  """Each loss's loss scale (None: not scaled), checked with its optimizer."""
+  compute_dtype = _precision.check_compute_dtype(compute_dtype)
+  scales: Dict[_losses.Key, Optional[_loss_scale.LossScale]] = {}
+  for key, each in opts.items():
+    if steps > 1 and isinstance(each, tf.train.SyncReplicasOptimizer):
+      raise ValueError(
+          "accumulate_steps=%d sums micro-batches before one update, but "
+          "SyncReplicasOptimizer updates from queues it fills on every run; "
+          "aggregate more gradients per update with its replicas_to_aggregate "
+          "instead, or drop accumulate_steps" % steps)
+    spec = _loss_scale.check(loss_scale, each, compute_dtype)
+    scales[key] = None if spec is None else _loss_scale.LossScale(spec)
+  return scales
 
 
 class _Step:
