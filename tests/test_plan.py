@@ -94,20 +94,23 @@ BAD = [
     (dict(variable_device="replicated", all_reduce="collective",
           devices=["/cpu:0", "/cpu:0"]), ValueError, "distinct device"),
     (dict(compute_dtype="int8"), ValueError, "compute_dtype"),
-    (dict(stage_inputs=True, has_inputs=False), ValueError, "stage_inputs"),
     (dict(num_workers=2), ValueError, "variable_device='replicated'"),
     (dict(num_workers=1.0), TypeError, "num_workers to be an int"),
-    (dict(variable_device="replicated", optimizers="sync"), ValueError,
+]
+# What only build_towers takes: its inputs and optimizers.
+TRAINING = [
+    (dict(stage_inputs=True, inputs=None), ValueError, "stage_inputs"),
+    (dict(variable_device="replicated", opt="sync"), ValueError,
      "SyncReplicasOptimizer"),
 ]
 
 
-def _optimizers(kwargs):
-  """Makes the optimizers a case names, in the current graph."""
+def _optimizer(kwargs):
+  """Makes the optimizer a case names, in the current graph."""
   opt = tf.train.GradientDescentOptimizer(0.1)
-  if kwargs.pop("optimizers", None) == "sync":
+  if kwargs.pop("opt", None) == "sync":
     opt = tf.train.SyncReplicasOptimizer(opt, 2)
-  return [opt]
+  return opt
 
 
 @pytest.mark.parametrize("kwargs,error,match", BAD)
@@ -116,15 +119,25 @@ def test_bad_arguments_are_refused_before_any_op(kwargs, error, match):
   num_towers = kwargs.pop("num_towers", 2)
   kwargs.setdefault("devices", CPUS)
   graph = tf.Graph()
-  with graph.as_default():
-    optimizers = _optimizers(kwargs)
-    with pytest.raises(error, match=match):
-      _plan.resolve(num_towers, optimizers=optimizers, **kwargs)
+  with graph.as_default(), pytest.raises(error, match=match):
+    _plan.resolve(num_towers, **kwargs)
   assert not graph.get_operations()
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    case for case in BAD if "has_inputs" not in case[0]])
+@pytest.mark.parametrize("kwargs,error,match", TRAINING)
+def test_training_arguments_are_refused_before_any_op(kwargs, error, match):
+  kwargs = dict(kwargs)
+  graph = tf.Graph()
+  with graph.as_default():
+    opt = _optimizer(kwargs)
+    with pytest.raises(error, match=match):
+      _plan.check_training(kwargs.get("variable_device", "cpu"),
+                           kwargs.get("stage_inputs", False),
+                           kwargs.get("inputs", "a batch"), [opt])
+  assert not graph.get_operations()
+
+
+@pytest.mark.parametrize("kwargs,error,match", BAD + TRAINING)
 def test_build_towers_refuses_through_the_plan_and_builds_nothing(
     kwargs, error, match):
   kwargs = dict(kwargs)
@@ -132,11 +145,11 @@ def test_build_towers_refuses_through_the_plan_and_builds_nothing(
   kwargs.setdefault("devices", CPUS)
   graph = tf.Graph()
   with graph.as_default():
-    opt, = _optimizers(kwargs)
-    x = tf.ones([4, 3])
+    opt = _optimizer(kwargs)
+    kwargs.setdefault("inputs", (tf.ones([4, 3]),))
     known = len(graph.get_operations())
     with pytest.raises(error, match=match):
-      towers.build_towers(_model_fn, opt, num_gpus, inputs=(x,), **kwargs)
+      towers.build_towers(_model_fn, opt, num_gpus, **kwargs)
     assert len(graph.get_operations()) == known
 
 

@@ -15,7 +15,7 @@ initial values, the moving averages' update), so checkpoints interchange with
 ``tf.layers`` models.
 """
 
-from typing import List, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow.compat.v1 as tf
@@ -82,6 +82,56 @@ def batch_normalization(inputs,
       of range, an unsupported option, or a cross-tower sum that cannot be
       built (see `TowerContext.all_sum`).
   """
+  _check_supported(renorm, renorm_clipping, renorm_momentum,
+                   virtual_batch_size, adjustment)
+  inputs = tf.convert_to_tensor(inputs)
+  layout = _layout(inputs, axis)
+  compute_dtype = tf.float32 if inputs.dtype.base_dtype in (
+      tf.float16, tf.bfloat16) else inputs.dtype.base_dtype
+  context = _context.tower_context()
+  with tf.variable_scope(name, default_name=_DEFAULT_NAME, reuse=reuse):
+    gamma = tf.get_variable(
+        "gamma", layout.shape, compute_dtype, initializer=gamma_initializer,
+        regularizer=gamma_regularizer, constraint=gamma_constraint,
+        trainable=trainable) if scale else None
+    beta = tf.get_variable(
+        "beta", layout.shape, compute_dtype, initializer=beta_initializer,
+        regularizer=beta_regularizer, constraint=beta_constraint,
+        trainable=trainable) if center else None
+    moving_mean = tf.get_variable(
+        "moving_mean", layout.shape, compute_dtype,
+        initializer=moving_mean_initializer, trainable=False)
+    moving_variance = tf.get_variable(
+        "moving_variance", layout.shape, compute_dtype,
+        initializer=moving_variance_initializer, trainable=False)
+    x = tf.cast(inputs, compute_dtype)
+    learning = tf.get_static_value(training) if isinstance(
+        training, (tf.Tensor, tf.Variable)) else bool(training)
+    if learning is not None and not learning:
+      stats = (moving_mean, moving_variance, None)
+    else:
+      stats = _statistics(
+          x, layout, context, (moving_mean, moving_variance), momentum,
+          None if learning else training,
+          fused is not False and _fusable(layout.axes, layout.rank,
+                                          compute_dtype))
+    if context is not None and _synchronized_in(context) and (
+        learning is None or learning):
+      outputs = _synchronized(
+          x, stats, (gamma, beta), layout, context,
+          None if learning else training, epsilon,
+          _kernels_take(layout.axes, layout.rank, compute_dtype, epsilon))
+    else:
+      against_x = layout.against_x
+      outputs = tf.nn.batch_normalization(
+          x, against_x(stats[0]), against_x(stats[1]), against_x(beta),
+          against_x(gamma), epsilon)
+    return tf.cast(outputs, inputs.dtype)
+
+
+def _check_supported(renorm, renorm_clipping, renorm_momentum,
+                     virtual_batch_size, adjustment) -> None:
+  """Raises for the options `tf.layers`' layer has and this one does not."""
   unsupported = [(n, v) for n, v, default in [
       ("renorm", renorm, False), ("renorm_clipping", renorm_clipping, None),
       ("virtual_batch_size", virtual_batch_size, None),
@@ -95,72 +145,59 @@ def batch_normalization(inputs,
         "statistics that synchronization makes global; leave them at their "
         "defaults, or use tf.compat.v1.layers.batch_normalization (per "
         "tower)" % ", ".join("%s=%r" % pair for pair in unsupported))
-  inputs = tf.convert_to_tensor(inputs)
+
+
+class _Layout(NamedTuple):
+  """Where an input's features are: its rank, the feature axes, the axes
+  reduced over, the variables' shape and that shape against the input."""
+  rank: int
+  axes: List[int]
+  reduced: List[int]
+  shape: List[int]
+  broadcast: List[int]
+
+  def against_x(self, t):
+    """A per-feature value (of the variables' shape) against the input: as
+    it is where it broadcasts, reshaped where the feature axis is not the
+    last."""
+    if t is None or len(self.axes) > 1 or self.axes[0] == self.rank - 1:
+      return t
+    return tf.reshape(t, self.broadcast)
+
+
+def _layout(inputs: tf.Tensor, axis) -> _Layout:
   rank = inputs.shape.rank
   if rank is None:
     raise ValueError("expected inputs of known rank for batch normalization, "
                      "got %s of unknown shape; set its shape" % inputs.name)
   axes = _axes(axis, rank, inputs)
-  reduced = [i for i in range(rank) if i not in axes]
-  compute_dtype = tf.float32 if inputs.dtype.base_dtype in (
-      tf.float16, tf.bfloat16) else inputs.dtype.base_dtype
   dims = [tf.compat.dimension_value(d) for d in inputs.shape]
   shape = [dims[i] for i in axes] if len(axes) == 1 else [
       dims[i] if i in axes else 1 for i in range(rank)]
   # Broadcast against the input: one value per feature along `axes`.
   broadcast = [dims[i] if i in axes else 1 for i in range(rank)]
-  context = _context.tower_context()
-  with tf.variable_scope(name, default_name=_DEFAULT_NAME, reuse=reuse):
-    gamma = tf.get_variable(
-        "gamma", shape, compute_dtype, initializer=gamma_initializer,
-        regularizer=gamma_regularizer, constraint=gamma_constraint,
-        trainable=trainable) if scale else None
-    beta = tf.get_variable(
-        "beta", shape, compute_dtype, initializer=beta_initializer,
-        regularizer=beta_regularizer, constraint=beta_constraint,
-        trainable=trainable) if center else None
-    moving_mean = tf.get_variable(
-        "moving_mean", shape, compute_dtype,
-        initializer=moving_mean_initializer, trainable=False)
-    moving_variance = tf.get_variable(
-        "moving_variance", shape, compute_dtype,
-        initializer=moving_variance_initializer, trainable=False)
-    x = tf.cast(inputs, compute_dtype)
-    learning = tf.get_static_value(training) if isinstance(
-        training, (tf.Tensor, tf.Variable)) else bool(training)
-    if learning is not None and not learning:
-      mean, variance = moving_mean, moving_variance
-    else:
-      mean, variance, count = _moments(x, reduced, shape, context)
-      unbiased = fused is not False and _fusable(axes, rank, compute_dtype)
-      _add_updates(moving_mean, moving_variance, mean, variance, count,
-                   momentum, unbiased, None if learning else training)
-      if learning is None:
-        batch_mean, batch_variance = mean, variance
-        mean = tf.cond(training, lambda: batch_mean,
-                       lambda: tf.convert_to_tensor(moving_mean))
-        variance = tf.cond(training, lambda: batch_variance,
-                           lambda: tf.convert_to_tensor(moving_variance))
+  return _Layout(rank, axes, [i for i in range(rank) if i not in axes],
+                 shape, broadcast)
 
-    # Per-feature values (of the variables' shape) against the input: as
-    # they are where they broadcast, reshaped where the feature axis is
-    # not the last.
-    def against_x(t):
-      return t if t is None or len(axes) > 1 or axes[0] == rank - 1 else (
-          tf.reshape(t, broadcast))
 
-    if context is not None and _synchronized_in(context) and (
-        learning is None or learning):
-      outputs = _synchronized(x, mean, variance, count, gamma, beta, epsilon,
-                              reduced, against_x, context,
-                              None if learning else training,
-                              _kernels_take(axes, rank, compute_dtype,
-                                            epsilon))
-    else:
-      outputs = tf.nn.batch_normalization(
-          x, against_x(mean), against_x(variance), against_x(beta),
-          against_x(gamma), epsilon)
-    return tf.cast(outputs, inputs.dtype)
+def _statistics(x: tf.Tensor, layout: _Layout,
+                context: Optional[_context.TowerContext], moving,
+                momentum: float, training, unbiased: bool):
+  """The batch's ``(mean, variance, count)`` (the global batch's inside
+  towers), with the moving averages' updates; with a `training` tensor,
+  the moving averages where it is false."""
+  moving_mean, moving_variance = moving
+  mean, variance, count = _moments(x, layout.reduced, layout.shape, context)
+  _add_updates(moving_mean, moving_variance, mean, variance, count,
+               momentum, unbiased, training)
+  if training is None:
+    return mean, variance, count
+  batch_mean, batch_variance = mean, variance
+  mean = tf.cond(training, lambda: batch_mean,
+                 lambda: tf.convert_to_tensor(moving_mean))
+  variance = tf.cond(training, lambda: batch_variance,
+                     lambda: tf.convert_to_tensor(moving_variance))
+  return mean, variance, count
 
 
 def _axes(axis, rank: int, inputs: tf.Tensor) -> List[int]:
@@ -248,11 +285,12 @@ def _shaped(t: tf.Tensor, shape: List[int]) -> tf.Tensor:
   return t if t.shape.as_list() == list(shape) else tf.reshape(t, shape)
 
 
-def _synchronized(x, mean, variance, count, gamma, beta, epsilon: float,
-                  reduced: List[int], against_x, context: _context.TowerContext,
-                  training, fused: bool) -> tf.Tensor:
-  """Normalizes `x` with the global batch's `mean` and `variance` (of the
-  variables' shape), with the gradient of the global batch's loss.
+def _synchronized(x, stats, params, layout: _Layout,
+                  context: _context.TowerContext, training, epsilon: float,
+                  fused: bool) -> tf.Tensor:
+  """Normalizes `x` with the global batch's ``stats``, ``(mean, variance,
+  count)`` (of the variables' shape), and ``params``, ``(gamma, beta)``
+  (either None), with the gradient of the global batch's loss.
 
   The gradient is written out rather than differentiated through the
   statistics: each tower's sums of ``dy`` and of ``dy * xhat`` go through
@@ -263,6 +301,9 @@ def _synchronized(x, mean, variance, count, gamma, beta, epsilon: float,
   statistics) do the work on `x`: one op forward, two and a subtraction
   backward.
   """
+  mean, variance, count = stats
+  gamma, beta = params
+  reduced, against_x = layout.reduced, layout.against_x
   shape = mean.shape.as_list()
   keepdims = len(shape) > 1
 

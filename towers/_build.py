@@ -111,11 +111,11 @@ def build_towers(model_fn: Callable[..., object],
                     "*batch), got %r" % (model_fn,))
   opts = _losses.optimizers(opt)
   keys = list(opts)
+  _plan.check_training(variable_device, stage_inputs, inputs, opts.values())
   plan = _plan.resolve(
       num_gpus, devices=devices, variable_device=variable_device,
       tower_name=tower_name, all_reduce=all_reduce, num_workers=num_workers,
-      compute_dtype=compute_dtype, stage_inputs=stage_inputs,
-      has_inputs=inputs is not None, optimizers=opts.values())
+      compute_dtype=compute_dtype, stage_inputs=stage_inputs)
   entries = _losses.check_var_list(
       compute_gradients_kwargs.pop("var_list", None), keys)
   compute_gradients_kwargs.setdefault("gate_gradients",

@@ -149,7 +149,15 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
     for i, parts in decay.items():
       averaged[i] = _regularization.add_weight_decay(
           averaged[i], parts, positions[i], weights, uniform)
-  groups: List[GradsAndVars] = [[] for _ in tower_grads]
+  return _per_copy(positions, averaged, len(tower_grads))
+
+
+def _per_copy(positions: List[_reduction.VariableGrads],
+              averaged: Dict[int, List[Optional[Gradient]]],
+              num_towers: int) -> List[GradsAndVars]:
+  """Each copy's averaged pairs, copy 0's first: a shared variable has one
+  result, in copy 0's list."""
+  groups: List[GradsAndVars] = [[] for _ in range(num_towers)]
   for i, position in enumerate(positions):
     copies = position.variables[:1] if position.shared else position.variables
     for j, var in enumerate(copies):

@@ -77,15 +77,14 @@ def resolve(num_towers: int, *,
             all_reduce: str = "auto",
             num_workers: int = 1,
             compute_dtype: _precision.ComputeDtype = None,
-            stage_inputs: bool = False,
-            has_inputs: bool = True,
-            optimizers: Iterable[tf.train.Optimizer] = ()) -> Plan:
+            stage_inputs: bool = False) -> Plan:
   """Checks the towers' arguments and resolves them into a `Plan`.
 
-  Every argument is checked here, before any op exists, so refused
-  arguments build nothing. With ``num_workers > 1`` the default graph is
-  registered as one of that many workers (`_workers.register`), the one
-  thing the collectives find in the graph rather than in the plan.
+  Every argument is checked here (what `build_towers` takes beside them, in
+  `check_training`), before any op exists, so refused arguments build
+  nothing. With ``num_workers > 1`` the default graph is registered as one
+  of that many workers (`_workers.register`), the one thing the collectives
+  find in the graph rather than in the plan.
 
   Raises:
     RuntimeError: under eager execution.
@@ -102,14 +101,10 @@ def resolve(num_towers: int, *,
   _allreduce.check_name(all_reduce)
   workers = _workers.check_count(num_workers)
   replicated = variable_device == _placement.REPLICATED
-  _check_fit(variable_device, all_reduce, workers, optimizers)
+  _check_fit(variable_device, all_reduce, workers)
   resolved = check_devices(devices, count)
   _placement.check_variable_device(variable_device)
   dtype = _precision.check_compute_dtype(compute_dtype)
-  if stage_inputs and not has_inputs:
-    raise ValueError("stage_inputs=True stages the towers' inputs, but "
-                     "inputs is None (model_fn reads its own); pass inputs "
-                     "(a batch or a callable such as iterator.get_next)")
   _workers.check_tasks(workers, resolved)
   _workers.register(resolved, workers)
   algorithm = _allreduce.resolve(all_reduce if replicated else "auto",
@@ -147,11 +142,30 @@ def check_devices(devices: Optional[Sequence[str]],
   return list(devices)
 
 
+def check_training(variable_device: _placement.VariableDevice,
+                   stage_inputs: bool, inputs: object,
+                   optimizers: Iterable[tf.train.Optimizer]) -> None:
+  """Raises if `build_towers`' optimizers or inputs do not fit the mode.
+
+  Called before `resolve`, which registers workers: refused towers leave
+  the graph as it was.
+  """
+  if stage_inputs and inputs is None:
+    raise ValueError("stage_inputs=True stages the towers' inputs, but "
+                     "inputs is None (model_fn reads its own); pass inputs "
+                     "(a batch or a callable such as iterator.get_next)")
+  if variable_device == _placement.REPLICATED and any(
+      isinstance(opt, tf.train.SyncReplicasOptimizer) for opt in optimizers):
+    raise ValueError(
+        "variable_device='replicated' keeps a copy of the variables on every "
+        "tower, but SyncReplicasOptimizer aggregates into variables on "
+        "parameter servers; with parameter servers use variable_device="
+        "tf.train.replica_device_setter(...) (one copy)")
+
+
 def _check_fit(variable_device: _placement.VariableDevice, all_reduce: str,
-               num_workers: int,
-               optimizers: Iterable[tf.train.Optimizer]) -> None:
-  """Raises if `all_reduce`, the workers or an optimizer does not fit
-  `variable_device`."""
+               num_workers: int) -> None:
+  """Raises if `all_reduce` or the workers do not fit `variable_device`."""
   replicated = variable_device == _placement.REPLICATED
   if num_workers > 1 and not replicated:
     raise ValueError(
@@ -171,10 +185,3 @@ def _check_fit(variable_device: _placement.VariableDevice, all_reduce: str,
         "variables on every tower); with variable_device=%r the towers share "
         "one copy, averaged next to it: pass variable_device='replicated' or "
         "drop all_reduce" % (all_reduce, variable_device))
-  if replicated and any(isinstance(opt, tf.train.SyncReplicasOptimizer)
-                        for opt in optimizers):
-    raise ValueError(
-        "variable_device='replicated' keeps a copy of the variables on every "
-        "tower, but SyncReplicasOptimizer aggregates into variables on "
-        "parameter servers; with parameter servers use variable_device="
-        "tf.train.replica_device_setter(...) (one copy)")

@@ -72,19 +72,20 @@ def mean(grads: Sequence[Optional[Gradient]], weights: List[Weight],
     # Dense in some towers and sparse in others: only possible when the
     # towers' models differ. Converting all to dense is exact.
     present = [tf.convert_to_tensor(g) for g in present]
-  barrier = list({id(op): op for wait in waits for op in wait}.values())
   if isinstance(present[0], tf.IndexedSlices):
-    return _sparse_mean(present, weights, uniform, barrier, devices, order)
-  return _dense_mean(present, weights, uniform, waits, barrier, devices,
-                     algorithm, order, chunks)
+    return _sparse_mean(present, weights, uniform, _union(waits), devices,
+                        order)
+  return _dense_mean(present, weights, uniform, waits, devices, algorithm,
+                     order, chunks)
 
 
 def _dense_mean(present: List[tf.Tensor], weights: List[Weight],
                 uniform: bool, waits: List[List[tf.Operation]],
-                barrier: List[tf.Operation], devices: List[str],
-                algorithm: str, order: _collectives.LaunchOrder,
+                devices: List[str], algorithm: str,
+                order: _collectives.LaunchOrder,
                 chunks: Optional[List[int]]) -> List[tf.Tensor]:
   workers = _workers.count()
+  barrier = _union(waits)
   if not uniform:
     present = [scaled(g, w) for g, w in zip(present, weights)]
   if len(devices) == 1 or algorithm == "add_n":
@@ -107,6 +108,11 @@ def _dense_mean(present: List[tf.Tensor], weights: List[Weight],
   # weights sum to 1, and the workers count equally.
   return _allreduce.all_sum(inputs, devices, algorithm, order, chunks,
                             divisor=workers * (len(inputs) if uniform else 1))
+
+
+def _union(waits: List[List[tf.Operation]]) -> List[tf.Operation]:
+  """Every op of `waits`, once: what a reduction on one device waits for."""
+  return list({id(op): op for wait in waits for op in wait}.values())
 
 
 def _sparse_mean(present: List[tf.IndexedSlices], weights: List[Weight],
