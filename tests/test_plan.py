@@ -11,6 +11,7 @@ import tensorflow.compat.v1 as tf
 
 import towers
 from towers import _plan
+from towers import _shares
 
 CPUS = ["/cpu:0", "/cpu:1"]
 GPUS = ["/gpu:0", "/gpu:1"]
@@ -210,3 +211,18 @@ def test_each_build_balances_afresh():
   first = plan.placer()
   assert [first(big), first(small)] == ["/gpu:0", "/gpu:1"]
   assert plan.placer()(small) == "/gpu:0"
+
+
+def test_averaging_finds_the_plan_by_gradient_else_by_copied_variable():
+  with tf.Graph().as_default():
+    t = towers.build_towers(_model_fn, tf.train.GradientDescentOptimizer(0.1),
+                            2, inputs=(tf.ones([5, 3]),), devices=CPUS,
+                            variable_device="replicated", all_reduce="ring")
+    assert _shares.plan_of(t.tower_grads) is t.plan
+    assert _shares.weights_of(t.tower_grads) == [0.6, 0.4]
+    # Each tower's gradients transformed first: no longer the towers', but
+    # their copies are, and they are all-reduced as they were built.
+    scaled = [[(g * 2.0, v) for g, v in pairs] for pairs in t.tower_grads]
+    assert _shares.plan_of(scaled).all_reduce == "ring"
+    unrelated = [[(tf.ones([3, 1]), tf.get_variable("u", [3, 1]))]] * 2
+    assert _shares.plan_of(unrelated) is None

@@ -194,18 +194,6 @@ def copies_of(var: tf.Variable) -> List[tf.Variable]:
     copies.append(copy)
 
 
-def record_all_reduce(variables: List[tf.Variable], algorithm: str) -> None:
-  """Records the all-reduce that keeps the copies of `variables` equal."""
-  state = _state.of()
-  for var in variables:
-    state.all_reduce[var.op.name] = algorithm
-
-
-def all_reduce_of(var: tf.Variable) -> Optional[str]:
-  """The all-reduce the copies of `var` (copy 0) were built with, or None."""
-  return _state.of(var.graph).all_reduce.get(var.op.name)
-
-
 def record_averaged(pairs: List[Tuple[tf.Tensor, int, tf.Tensor]]) -> None:
   """Records averaged gradients: ``(copy 0's, index, copy index's)`` for
   each copy's that is a tensor of its own, on the copy's device."""

@@ -17,6 +17,7 @@ from towers import _barrier
 from towers import _context
 from towers import _copies
 from towers import _packing
+from towers import _plan
 from towers import _reduction
 from towers import _regularization
 from towers import _shares
@@ -109,7 +110,8 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
     weights = _shares.weights_of(tower_grads)
   weights = _check_weights(weights, len(tower_grads))
   pack_bytes = _packing.check_pack_bytes(pack_bytes)
-  algorithm = _algorithm(tower_grads, all_reduce, device)
+  algorithm = _algorithm(tower_grads, all_reduce, device,
+                         _shares.plan_of(tower_grads))
   tower_grads, decay = _regularization.without_weight_decay(tower_grads,
                                                             device)
   flat = [t for tower in tower_grads for g, _ in tower
@@ -247,7 +249,7 @@ def _check_weights(weights, num_towers: int) -> List[Weight]:
 
 
 def _algorithm(tower_grads: Sequence[GradsAndVars], all_reduce: Optional[str],
-               device: Optional[str]) -> str:
+               device: Optional[str], plan: Optional[_plan.Plan]) -> str:
   """The all-reduce of the towers' copies, checked against the arguments;
   ``"add_n"`` when they share every variable."""
   replicated = [pairs for pairs in zip(*tower_grads)
@@ -265,7 +267,7 @@ def _algorithm(tower_grads: Sequence[GradsAndVars], all_reduce: Optional[str],
     return "add_n"
   # None: the all-reduce the towers were built with.
   algorithm = _allreduce.resolve(
-      all_reduce or _copies.all_reduce_of(replicated[0][0][1]) or "auto",
+      all_reduce or (plan.all_reduce if plan else None) or "auto",
       [v.device for _, v in replicated[0]])
   if device is not None and algorithm != "add_n":
     raise ValueError(

@@ -18,6 +18,7 @@ from towers import _copies
 from towers import _devices
 from towers import _plan
 from towers import _regularization
+from towers import _shares
 from towers import _startup
 
 GradsAndVars = List[Tuple[Optional[_copies.Gradient], tf.Variable]]
@@ -95,8 +96,8 @@ class Replicated(OneCopy):
                                      **kwargs)
     grads = super().gradients(index, key, opt, loss, var_list, kwargs)
     self._first[key] = [v for _, v in grads]
-    if self.plan.all_reduce:
-      _copies.record_all_reduce(self._first[key], self.plan.all_reduce)
+    # Averaging all-reduces their copies as the plan says.
+    _shares.record_copied(self._first[key], self.plan)
     return grads
 
   def finish(self) -> None:

@@ -1,17 +1,18 @@
-"""Each tower's share of the global batch, known from its gradients.
+"""The plan of the towers gradients come from: their shares, their all-reduce.
 
-The CIFAR-10 tutorial's ``average_gradients(tower_grads)`` passes no
-weights, and a plain mean of the towers' means is wrong when their shards
-differ (11 examples on 2 towers: 6 and 5). So each tower's gradients are
-recorded with the towers' plan, which holds the shares, and
-`average_gradients` without weights finds the plan of the towers the lists
-come from: the one lookup from gradients back to their plan. Lists it
-cannot tie to one plan, in a graph whose towers hold unequal shares, are
-refused: their shares are unknown, and a plain mean would be silently off.
+The CIFAR-10 tutorial's ``average_gradients(tower_grads)`` passes only the
+gradients, but averaging needs the towers' plan: a plain mean of the
+towers' means is wrong when their shards differ (11 examples on 2 towers:
+6 and 5), and replicated copies are all-reduced as they were built. So each
+tower's gradients are recorded with the towers' plan, which holds the
+shares, and so is each variable whose copies the plan made; here, and only
+here, a later call finds the plan again. Lists it cannot tie to one plan,
+in a graph whose towers hold unequal shares, are refused: their shares are
+unknown, and a plain mean would be silently off.
 """
 
 import numbers
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from towers import _plan
 from towers import _reduction
@@ -31,6 +32,30 @@ def record(tower_grads: Sequence[Sequence[Tuple[object, object]]],
         state.plans[tensor.name] = (plan, tower)
 
 
+def record_copied(variables: Sequence[Any], plan: _plan.Plan) -> None:
+  """Records `variables` (copy 0) as copied by the towers of `plan`."""
+  state = _state.of()
+  for var in variables:
+    state.plans[var.op.name] = (plan, None)
+
+
+def plan_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
+           ) -> Optional[_plan.Plan]:
+  """The plan of the towers `tower_grads` come from: that of their first
+  recorded gradient, else of their first copied variable; None if none."""
+  state = _state.of()
+  for pairs in tower_grads:
+    for grad, _ in pairs:
+      for t in _reduction.tensors(grad):
+        if t.name in state.plans:
+          return state.plans[t.name][0]
+  for _, var in tower_grads[0] if tower_grads else ():
+    name = getattr(getattr(var, "op", None), "name", None)
+    if name in state.plans:
+      return state.plans[name][0]
+  return None
+
+
 def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
               ) -> Optional[List[Weight]]:
   """The shares of the towers `tower_grads` come from; None where a plain
@@ -46,8 +71,8 @@ def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
     marks = {}
     for grad, _ in pairs:
       for t in _reduction.tensors(grad):
-        if t.name in state.plans:
-          plan, tower = state.plans[t.name]
+        plan, tower = state.plans.get(t.name, (None, None))
+        if plan is not None and tower is not None:
           marks[(id(plan), tower)] = plan
     found.append(marks)
   if all(len(f) == 1 for f in found) and len(
@@ -62,8 +87,8 @@ def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
   if touched:
     candidates = list(touched.values())
   else:
-    candidates = [p for p, _ in state.plans.values()
-                  if p.num_towers == len(tower_grads)]
+    candidates = [p for p, tower in state.plans.values()
+                  if tower is not None and p.num_towers == len(tower_grads)]
   uneven = [p for p in candidates if not _reduction.is_uniform(p.shares)]
   if not uneven:
     return None

@@ -31,8 +31,6 @@ class GraphState:
       the copy's}.
     averaged_at: `_copies`: the id of the last op that existed when
       gradients were first averaged, or None.
-    all_reduce: `_copies`: copy 0's op name -> the all-reduce its towers
-      were built with.
     num_workers: `_workers`: the worker tasks the collectives span.
     worker_devices: `_workers`: this worker's tower devices (with workers).
     group_keys: `_collectives`: collective group key -> its members.
@@ -46,7 +44,8 @@ class GraphState:
     weight_decay: `_regularization`: a tower's gradient's name -> its data
       part and its weight-decay parts.
     plans: `_shares`: a tower's gradient tensor's name -> ``(the towers'
-      `_plan.Plan`, tower index)``.
+      `_plan.Plan`, tower index)``; a copied variable's op name (copy 0)
+      -> ``(the plan, None)``.
   """
 
   def __init__(self) -> None:
@@ -55,7 +54,6 @@ class GraphState:
     self.sources: List[Tuple[Any, Any]] = []
     self.averaged: Dict[int, Dict[str, tf.Tensor]] = {}
     self.averaged_at: Optional[int] = None
-    self.all_reduce: Dict[str, str] = {}
     self.num_workers = 1
     self.worker_devices: Tuple[str, ...] = ()
     self.group_keys: Dict[int, Tuple[str, ...]] = {}
@@ -65,7 +63,7 @@ class GraphState:
     self.launch_orders: Dict[tf.Operation, Any] = {}
     self.sum_ops: Set[tf.Operation] = set()
     self.weight_decay: Dict[str, Tuple[tf.Tensor, List[tf.Tensor]]] = {}
-    self.plans: Dict[str, Tuple[Any, int]] = {}
+    self.plans: Dict[str, Tuple[Any, Optional[int]]] = {}
 
 
 def of(graph: Optional[tf.Graph] = None) -> GraphState:
