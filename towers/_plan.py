@@ -102,7 +102,7 @@ def resolve(num_towers: int, *,
   workers = _workers.check_count(num_workers)
   replicated = variable_device == _placement.REPLICATED
   _check_fit(variable_device, all_reduce, workers)
-  resolved = check_devices(devices, count)
+  resolved = _check_devices(devices, count)
   _placement.check_variable_device(variable_device)
   dtype = _precision.check_compute_dtype(compute_dtype)
   _workers.check_tasks(workers, resolved)
@@ -117,8 +117,8 @@ def resolve(num_towers: int, *,
               stage_inputs=bool(stage_inputs))
 
 
-def check_devices(devices: Optional[Sequence[str]],
-                  num_towers: int) -> List[str]:
+def _check_devices(devices: Optional[Sequence[str]],
+                   num_towers: int) -> List[str]:
   """Returns the towers' devices: `devices` checked, or the defaults."""
   if devices is None:
     return _devices.tower_devices(num_towers)

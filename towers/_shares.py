@@ -36,7 +36,7 @@ def record_copied(variables: Sequence[Any], plan: _plan.Plan) -> None:
   """Records `variables` (copy 0) as copied by the towers of `plan`."""
   state = _state.of()
   for var in variables:
-    state.plans[var.op.name] = (plan, None)
+    state.copied_by[var.op.name] = plan
 
 
 def plan_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
@@ -51,8 +51,8 @@ def plan_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
           return state.plans[t.name][0]
   for _, var in tower_grads[0] if tower_grads else ():
     name = getattr(getattr(var, "op", None), "name", None)
-    if name in state.plans:
-      return state.plans[name][0]
+    if name in state.copied_by:
+      return state.copied_by[name]
   return None
 
 
@@ -71,8 +71,8 @@ def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
     marks = {}
     for grad, _ in pairs:
       for t in _reduction.tensors(grad):
-        plan, tower = state.plans.get(t.name, (None, None))
-        if plan is not None and tower is not None:
+        if t.name in state.plans:
+          plan, tower = state.plans[t.name]
           marks[(id(plan), tower)] = plan
     found.append(marks)
   if all(len(f) == 1 for f in found) and len(
@@ -87,8 +87,8 @@ def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
   if touched:
     candidates = list(touched.values())
   else:
-    candidates = [p for p, tower in state.plans.values()
-                  if tower is not None and p.num_towers == len(tower_grads)]
+    candidates = [p for p, _ in state.plans.values()
+                  if p.num_towers == len(tower_grads)]
   uneven = [p for p in candidates if not _reduction.is_uniform(p.shares)]
   if not uneven:
     return None

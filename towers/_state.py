@@ -44,8 +44,9 @@ class GraphState:
     weight_decay: `_regularization`: a tower's gradient's name -> its data
       part and its weight-decay parts.
     plans: `_shares`: a tower's gradient tensor's name -> ``(the towers'
-      `_plan.Plan`, tower index)``; a copied variable's op name (copy 0)
-      -> ``(the plan, None)``.
+      `_plan.Plan`, tower index)``.
+    copied_by: `_shares`: a copied variable's op name (copy 0) -> the plan
+      of the towers that copied it.
   """
 
   def __init__(self) -> None:
@@ -63,7 +64,8 @@ class GraphState:
     self.launch_orders: Dict[tf.Operation, Any] = {}
     self.sum_ops: Set[tf.Operation] = set()
     self.weight_decay: Dict[str, Tuple[tf.Tensor, List[tf.Tensor]]] = {}
-    self.plans: Dict[str, Tuple[Any, Optional[int]]] = {}
+    self.plans: Dict[str, Tuple[Any, int]] = {}
+    self.copied_by: Dict[str, Any] = {}
 
 
 def of(graph: Optional[tf.Graph] = None) -> GraphState:
