@@ -33,6 +33,7 @@ def test_there_is_no_context_outside_the_towers():
     assert towers.tower_context() is None
   assert [c.index for c in seen] == [0, 1, 2]
   assert {c.num_towers for c in seen} == {3}
+  assert {c.num_workers for c in seen} == {1}
   assert {c.devices for c in seen} == {tuple(devices(3))}
   assert [c.scope for c in seen] == ["tower_0/", "tower_1/", "tower_2/"]
   assert len({c.key for c in seen}) == 1

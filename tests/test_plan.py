@@ -12,6 +12,8 @@ import tensorflow.compat.v1 as tf
 import towers
 from towers import _plan
 from towers import _shares
+from towers import _tf_versions
+from towers import _workers
 
 CPUS = ["/cpu:0", "/cpu:1"]
 GPUS = ["/gpu:0", "/gpu:1"]
@@ -53,6 +55,34 @@ def test_replicated_all_reduce_is_resolved_for_the_devices(devices, all_reduce,
                          all_reduce=all_reduce)
   assert plan.replicated
   assert (plan.all_reduce, plan.sums) == (want, sums)
+
+
+@pytest.mark.skipif(not _tf_versions.collectives_time_out(),
+                    reason="%s's collectives ignore operation_timeout_in_ms: "
+                    "towers refuses num_workers > 1 there"
+                    % _tf_versions.describe())
+def test_workers_resolve_to_collectives_over_this_workers_devices():
+  worker_1 = ["/job:worker/task:1/cpu:0", "/job:worker/task:1/cpu:1"]
+  with tf.Graph().as_default() as graph:
+    plan = _plan.resolve(2, devices=worker_1, variable_device="replicated",
+                         num_workers=2)
+    assert not graph.get_operations()
+    one = _plan.resolve(2, devices=CPUS)
+  assert (plan.all_reduce, plan.sums) == ("collective", "collective")
+  assert plan.workers == _workers.Workers(2, (
+      "/job:worker/task:1/device:CPU:0", "/job:worker/task:1/device:CPU:1"))
+  assert plan.workers.home == "/job:worker/task:1/device:CPU:0"
+  assert one.workers == _workers.ONE
+
+
+def test_one_graph_is_one_worker_by_its_plans_workers():
+  mine = _workers.Workers(2, ("/job:worker/task:1/device:CPU:0",))
+  for built in [_workers.ONE, mine]:
+    _workers.check_one_cluster(mine, built)
+    _workers.check_one_cluster(_workers.ONE, built)
+  with pytest.raises(ValueError) as raised:
+    _workers.check_one_cluster(mine._replace(num_workers=3), mine)
+  assert "one graph is one worker" in str(raised.value)
 
 
 def test_one_copy_towers_on_distinct_gpus_sum_across_towers_by_collective():

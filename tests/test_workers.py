@@ -354,6 +354,28 @@ def test_the_graph_of_a_worker_reduces_across_workers():
   assert train_op is not None and sync.type == "NoOp"
 
 
+@needs_timeouts
+def test_a_workers_tower_context_and_a_by_hand_average_span_every_worker():
+  seen = []
+
+  def model_fn(scope, x):
+    seen.append(towers.tower_context().num_workers)
+    return _model_fn(scope, x)
+
+  with tf.Graph().as_default() as graph:
+    built = towers.build_towers(
+        model_fn, tf.train.GradientDescentOptimizer(0.1), 2,
+        inputs=tf.zeros([4, 3]), devices=WORKER_1,
+        variable_device="replicated", num_workers=2)
+    # Lists made by hand after the towers: found by their copies.
+    scaled = [[(g * 0.5, v) for g, v in pairs] for pairs in built.tower_grads]
+    towers.average_gradients(scaled)
+  assert seen == [2, 2]
+  sizes = {int(tf.get_static_value(op.inputs[1]))
+           for op in graph.get_operations() if op.type == "CollectiveReduceV2"}
+  assert sizes == {4}
+
+
 def test_broadcast_variables_on_one_worker_is_a_no_op_and_checks_its_input():
   with tf.Graph().as_default():
     tf.get_variable("w", [2])

@@ -35,7 +35,6 @@ import tensorflow.compat.v1 as tf
 from towers import _collectives
 from towers import _devices
 from towers import _tf_versions
-from towers import _workers
 
 ALGORITHMS = ("add_n", "ring", "collective")
 CHOICES = ("auto",) + ALGORITHMS
@@ -50,11 +49,13 @@ def check_name(all_reduce: object) -> str:
   return all_reduce
 
 
-def resolve(all_reduce: str, devices: Sequence[str]) -> str:
-  """Returns the algorithm `all_reduce` stands for on `devices`.
+def resolve(all_reduce: str, devices: Sequence[str],
+            num_workers: int = 1) -> str:
+  """Returns the algorithm `all_reduce` stands for on `devices`, of one of
+  `num_workers` workers.
 
   ``"auto"`` is ``"collective"`` (NCCL) when every device is a distinct
-  GPU or the graph is one of several workers' (`_workers`), and
+  GPU or the towers are one of several workers' (`_workers`), and
   ``"add_n"`` otherwise: between CPU devices of one host there is no link
   to spare, and ``"add_n"`` is bitwise the one-copy mode.
 
@@ -65,7 +66,7 @@ def resolve(all_reduce: str, devices: Sequence[str]) -> str:
   check_name(all_reduce)
   spelled = [_devices.canonical(d) for d in devices]
   distinct = len(set(spelled)) == len(spelled)
-  if all_reduce == "auto" and _workers.count() > 1:
+  if all_reduce == "auto" and num_workers > 1:
     all_reduce = "collective"
   if all_reduce == "auto":
     gpus = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
@@ -198,7 +199,7 @@ def all_gather(tensors: Sequence[tf.Tensor], device: str,
   """Concatenates each of `tensors` (on `device`) with its peers on the
   other workers along axis 0, worker after worker (``CollectiveGatherV2``;
   every worker's must have the same shape at run time)."""
-  size, group = _collectives.group_of([device])
+  size, group = _collectives.group_of([device], order.workers.num_workers)
   return [order.launch(device, functools.partial(
       _tf_versions.collective_gather, tensor, size, group,
       _collectives.instance_key())) for tensor in tensors]
@@ -207,7 +208,7 @@ def all_gather(tensors: Sequence[tf.Tensor], device: str,
 def _collective(tensors: Sequence[tf.Tensor], devices: Sequence[str],
                 order: _collectives.LaunchOrder,
                 divisor: int) -> List[tf.Tensor]:
-  size, group = _collectives.group_of(devices)
+  size, group = _collectives.group_of(devices, order.workers.num_workers)
   instance = _collectives.instance_key()
   inside = divisor == size
   outputs = [order.launch(device, functools.partial(

@@ -21,7 +21,6 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from towers import _context
-from towers import _workers
 
 _DEFAULT_NAME = "batch_normalization"
 # The name scope of the global batch's moments (`towers.testing` finds the
@@ -227,7 +226,7 @@ def _fusable(axes: List[int], rank: int, dtype: tf.DType) -> bool:
 
 def _synchronized_in(context: _context.TowerContext) -> bool:
   """Whether the statistics are summed across towers (or workers)."""
-  return context.num_towers > 1 or _workers.count() > 1
+  return context.num_towers > 1 or context.num_workers > 1
 
 
 def _kernels_take(axes: List[int], rank: int, dtype: tf.DType,

@@ -8,8 +8,8 @@ import tensorflow.compat.v1 as tf
 
 from towers import _collectives
 from towers import _copies
+from towers import _shares
 from towers import _tf_versions
-from towers import _workers
 
 
 def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
@@ -41,7 +41,7 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
       defined.
     TypeError: if `var_list` holds something other than variables.
   """
-  workers = _workers.count()
+  workers = _shares.graph_workers()
   if var_list is None:
     var_list = tf.global_variables()
   var_list = list(var_list)
@@ -54,16 +54,16 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
           "defined; leave it out of var_list or give it a static shape"
           % (var.op.name, var.shape))
   with tf.name_scope("broadcast_variables"):
-    if workers == 1:
+    if workers.num_workers == 1:
       return tf.no_op(name="one_worker")
-    home = _workers.home()
+    home = workers.home
     chief = tf.DeviceSpec.from_string(home).task == 0
     by_dtype: Dict[tf.DType, List[tf.Variable]] = collections.defaultdict(
         list)
     for var in sorted(var_list, key=lambda v: v.op.name):
       by_dtype[var.dtype.base_dtype].append(var)
-    _, group = _collectives.group_of([home])
-    order = _collectives.LaunchOrder()
+    size, group = _collectives.group_of([home], workers.num_workers)
+    order = _collectives.LaunchOrder(workers=workers)
     assigns: List[tf.Operation] = []
     previous: List[tf.Operation] = []
     for dtype in sorted(by_dtype, key=lambda d: d.name):
@@ -75,11 +75,11 @@ def broadcast_variables(var_list: Optional[Sequence[tf.Variable]] = None
           values = tf.concat([tf.reshape(v.read_value(), [-1])
                               for v in variables], 0)
         sent = order.launch(home, functools.partial(
-            _tf_versions.broadcast_send, values, workers, group, instance))
+            _tf_versions.broadcast_send, values, size, group, instance))
         previous = [sent.op]
         continue
       received = order.launch(home, functools.partial(
-          _tf_versions.broadcast_recv, dtype, [sum(sizes)], workers, group,
+          _tf_versions.broadcast_recv, dtype, [sum(sizes)], size, group,
           instance))
       previous = [received.op]
       with tf.device(home):

@@ -21,6 +21,7 @@ from towers import _shares
 from towers import _tf_internals
 from towers import _tower_loop
 from towers import _updates
+from towers import _workers
 
 Towers = collections.namedtuple("Towers", [
     "losses", "loss", "tower_grads", "weights", "scopes", "devices",
@@ -116,6 +117,7 @@ def build_towers(model_fn: Callable[..., object],
       num_gpus, devices=devices, variable_device=variable_device,
       tower_name=tower_name, all_reduce=all_reduce, num_workers=num_workers,
       compute_dtype=compute_dtype, stage_inputs=stage_inputs)
+  _workers.check_one_cluster(plan.workers, _shares.graph_workers())
   entries = _losses.check_var_list(
       compute_gradients_kwargs.pop("var_list", None), keys)
   compute_gradients_kwargs.setdefault("gate_gradients",

@@ -8,8 +8,9 @@ rules keep them from hanging:
   in, so every worker of a cluster derives the same key for the same
   devices, and a group of one worker's devices never takes another's key.
   Instance keys are unique in the graph.
-- Members. In a worker's graph (`_workers`) a group over some devices has a
-  member on that device of every worker; each worker builds its own.
+- Members. For towers of several workers (`_workers`) a group over some
+  devices has a member on that device of every worker; each worker builds
+  its own.
 - Launch order. On each device the collectives of one set of towers launch
   in the order they were built (a control edge from the previous one): NCCL
   deadlocks when two devices launch two collectives in opposite orders.
@@ -35,12 +36,11 @@ def instance_key() -> int:
   return state.last_instance
 
 
-def group_of(devices: Sequence[str]) -> Tuple[int, int]:
+def group_of(devices: Sequence[str], num_workers: int) -> Tuple[int, int]:
   """``(group_size, group_key)`` of a collective over `devices`: theirs,
-  or, in a worker's graph, theirs on every worker."""
-  workers = _workers.count()
-  everyone = [_devices.canonical(d) for d in devices] if workers == 1 else [
-      p for d in devices for p in _peers(d, workers)]
+  or, for towers of several workers, theirs on every worker."""
+  everyone = [_devices.canonical(d) for d in devices] if num_workers == 1 \
+      else [p for d in devices for p in _peers(d, num_workers)]
   return len(everyone), _group_key(everyone)
 
 
@@ -79,10 +79,13 @@ class LaunchOrder:
   set of towers defers the order of its sums (`deferred`) until `seal`
   knows which step runs each: with several losses, a step must not wait
   for a sum only another loss's step runs (and for that loss's inputs).
+  Its `workers` are those the set's collectives span.
   """
 
   def __init__(self, last: Optional[Dict[str, tf.Operation]] = None,
-               deferred: bool = False):
+               deferred: bool = False,
+               workers: _workers.Workers = _workers.ONE):
+    self.workers = workers
     self._last: Dict[str, tf.Operation] = dict(last or {})
     # Deferred: each device's members, in the order made; sealed: each
     # member's place in its device's order.
@@ -97,14 +100,14 @@ class LaunchOrder:
     """A new order whose first collectives wait for this one's last: of
     those running `tensors` runs, when steps run different ones."""
     if not self._rank:
-      return LaunchOrder(self._last)
+      return LaunchOrder(self._last, workers=self.workers)
     ran = _graph.upstream(tensors)
     last = {}
     for device, ops in (self._made or {}).items():
       mine = [op for op in ops if op in ran]
       if mine:
         last[device] = max(mine, key=self._rank.__getitem__)
-    return LaunchOrder(last)
+    return LaunchOrder(last, workers=self.workers)
 
   def launch(self, device: str, build: Callable[[], tf.Tensor],
              after: Sequence[tf.Operation] = ()) -> tf.Tensor:

@@ -38,6 +38,7 @@ import tensorflow.compat.v1 as tf
 from towers import _allreduce
 from towers import _collectives
 from towers import _devices
+from towers import _plan
 from towers import _state
 from towers import _tf_internals
 from towers import _workers
@@ -56,6 +57,8 @@ class TowerContext:
       your own that must be the same in every tower and differ between two
       `build_towers` calls).
     scope: this tower's name scope, such as ``'tower_1/'``.
+    num_workers: the worker tasks whose towers the cross-tower sums span
+      (1: these towers alone).
   """
 
   __slots__ = ("_set", "_index")
@@ -85,9 +88,13 @@ class TowerContext:
     return self._set.scopes[self._index]
 
   @property
+  def num_workers(self) -> int:
+    return self._set.order.workers.num_workers
+
+  @property
   def _alone(self) -> bool:
     # One tower of one worker: a cross-tower sum is an identity.
-    return self.num_towers == 1 and _workers.count() == 1
+    return self.num_towers == 1 and self.num_workers == 1
 
   def __repr__(self) -> str:
     return "TowerContext(index=%d, num_towers=%d, key=%d)" % (
@@ -174,23 +181,22 @@ def tower_context() -> Optional[TowerContext]:
 class TowerSet:
   """The towers of one `build_towers` call and their cross-tower sums."""
 
-  def __init__(self, devices: Sequence[str], uniform: bool,
-               device_check: Optional[tf.Operation] = None,
-               sums: str = "add_n"):
+  def __init__(self, plan: _plan.Plan, uniform: bool,
+               device_check: Optional[tf.Operation] = None):
     self.graph = tf.get_default_graph()
     state = _state.of(self.graph)
     state.tower_sets += 1
     self.key = state.tower_sets
-    self.devices = list(devices)
-    self.scopes: List[str] = [""] * len(devices)
+    self.devices = list(plan.devices)
+    self.scopes: List[str] = [""] * plan.num_towers
     # Each tower's share of the global batch (or a number proportional to
     # it, the same factor in every tower); equal shares need no scaling.
-    self.shares: List[Share] = [1.0] * len(devices)
+    self.shares: List[Share] = [1.0] * plan.num_towers
     self.uniform = uniform
     # Collectives where the gradients' all-reduce is one; elsewhere the sum
     # on one device, whose few bytes cost less than a collective's launch
     # (`_plan.Plan.sums`).
-    self.algorithm = sums
+    self.algorithm = plan.sums
     # No member launches before the towers are known to be apart
     # (`_device_check`): on a shared device it would wait forever.
     self._device_check = device_check
@@ -201,8 +207,9 @@ class TowerSet:
     self._specs: List[Tuple[tf.DType, tf.TensorShape]] = []
     self._members: List[Dict[int, Union[tf.Operation, tf.Tensor]]] = []
     self._results: List[Dict[int, tf.Operation]] = []
-    self._calls = [0] * len(devices)
-    self.order = _collectives.LaunchOrder(deferred=True)
+    self._calls = [0] * plan.num_towers
+    self.order = _collectives.LaunchOrder(deferred=True,
+                                          workers=plan.workers)
 
   @contextlib.contextmanager
   def tower(self, index: int, scope: str, share: Share) -> Iterator[None]:
@@ -358,7 +365,8 @@ class TowerSet:
     device = self.devices[index]
     members = self._members[k]
     output = self.order.launch(device, functools.partial(
-        _collectives.member, tensor, *_collectives.group_of(self.devices),
+        _collectives.member, tensor,
+        *_collectives.group_of(self.devices, self.order.workers.num_workers),
         self._instances[k]),
         after=() if self._device_check is None else [self._device_check])
     members[index] = output.op
@@ -374,17 +382,18 @@ class TowerSet:
     return result
 
 
-def launch_order_of(tensors: Sequence[object]) -> _collectives.LaunchOrder:
+def launch_order_of(tensors: Sequence[object],
+                    workers: _workers.Workers) -> _collectives.LaunchOrder:
   """The launch order the all-reduce of `tensors` (gradients, losses) starts
   from: where the cross-tower sums of the towers that made them left off,
-  or a new one for tensors made outside such towers."""
+  or a new one over `workers` for tensors made outside such towers."""
   orders = _state.of().launch_orders
   for tensor in tensors:
     op = tensor if isinstance(tensor, tf.Operation) else getattr(
         tensor, "op", None)
     if op in orders:
       return orders[op].continued(tensors)
-  return _collectives.LaunchOrder()
+  return _collectives.LaunchOrder(workers=workers)
 
 
 def is_sum_op(op: tf.Operation) -> bool:

@@ -17,10 +17,10 @@ from towers import _barrier
 from towers import _context
 from towers import _copies
 from towers import _packing
-from towers import _plan
 from towers import _reduction
 from towers import _regularization
 from towers import _shares
+from towers import _workers
 
 Gradient = _reduction.Gradient
 GradsAndVars = List[Tuple[Optional[Gradient], tf.Variable]]
@@ -110,8 +110,11 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
     weights = _shares.weights_of(tower_grads)
   weights = _check_weights(weights, len(tower_grads))
   pack_bytes = _packing.check_pack_bytes(pack_bytes)
+  plan = _shares.plan_of(tower_grads)
+  # Lists tied to no towers: those of the graph's (one graph is one worker).
+  workers = plan.workers if plan else _shares.graph_workers()
   algorithm = _algorithm(tower_grads, all_reduce, device,
-                         _shares.plan_of(tower_grads))
+                         plan.all_reduce if plan else None, workers)
   tower_grads, decay = _regularization.without_weight_decay(tower_grads,
                                                             device)
   flat = [t for tower in tower_grads for g, _ in tower
@@ -130,7 +133,7 @@ def _average_per_copy(tower_grads: Sequence[GradsAndVars],
     uniform = _reduction.is_uniform(weights)
     # A collective all-reduce launches after the towers' own cross-tower
     # sums on each device.
-    order = _context.launch_order_of(flat)
+    order = _context.launch_order_of(flat, workers)
     for unit in _packing.units(keys):
       members = [positions[i] for i in unit]
       first = members[0]
@@ -249,9 +252,11 @@ def _check_weights(weights, num_towers: int) -> List[Weight]:
 
 
 def _algorithm(tower_grads: Sequence[GradsAndVars], all_reduce: Optional[str],
-               device: Optional[str], plan: Optional[_plan.Plan]) -> str:
-  """The all-reduce of the towers' copies, checked against the arguments;
-  ``"add_n"`` when they share every variable."""
+               device: Optional[str], built: Optional[str],
+               workers: _workers.Workers) -> str:
+  """The all-reduce of the towers' copies, checked against the arguments
+  (`built`: the towers' own); ``"add_n"`` when they share every
+  variable."""
   replicated = [pairs for pairs in zip(*tower_grads)
                 if any(p[1] is not pairs[0][1] for p in pairs)]
   if not replicated:
@@ -266,9 +271,9 @@ def _algorithm(tower_grads: Sequence[GradsAndVars], all_reduce: Optional[str],
             "replicated" % (all_reduce,))
     return "add_n"
   # None: the all-reduce the towers were built with.
-  algorithm = _allreduce.resolve(
-      all_reduce or (plan.all_reduce if plan else None) or "auto",
-      [v.device for _, v in replicated[0]])
+  algorithm = _allreduce.resolve(all_reduce or built or "auto",
+                                 [v.device for _, v in replicated[0]],
+                                 workers.num_workers)
   if device is not None and algorithm != "add_n":
     raise ValueError(
         "device=%r (average_device in minimize) names one device to reduce "

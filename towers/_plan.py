@@ -60,6 +60,11 @@ class Plan:
   def replicated(self) -> bool:
     return self.variable_device == _placement.REPLICATED
 
+  @property
+  def workers(self) -> _workers.Workers:
+    """The workers the towers' collectives span."""
+    return _workers.of(self.num_workers, self.devices)
+
   def placer(self) -> _placement.DeviceFn:
     """A new variable placer for one build (``"balanced"`` counts the bytes
     placed so far)."""
@@ -82,9 +87,7 @@ def resolve(num_towers: int, *,
 
   Every argument is checked here (what `build_towers` takes beside them, in
   `check_training`), before any op exists, so refused arguments build
-  nothing. With ``num_workers > 1`` the default graph is registered as one
-  of that many workers (`_workers.register`), the one thing the collectives
-  find in the graph rather than in the plan.
+  nothing; the graph is left as it was.
 
   Raises:
     RuntimeError: under eager execution.
@@ -106,9 +109,8 @@ def resolve(num_towers: int, *,
   _placement.check_variable_device(variable_device)
   dtype = _precision.check_compute_dtype(compute_dtype)
   _workers.check_tasks(workers, resolved)
-  _workers.register(resolved, workers)
   algorithm = _allreduce.resolve(all_reduce if replicated else "auto",
-                                 resolved)
+                                 resolved, workers)
   return Plan(devices=tuple(resolved), variable_device=variable_device,
               tower_name=tower_name,
               all_reduce=algorithm if replicated else None,
@@ -145,11 +147,7 @@ def _check_devices(devices: Optional[Sequence[str]],
 def check_training(variable_device: _placement.VariableDevice,
                    stage_inputs: bool, inputs: object,
                    optimizers: Iterable[tf.train.Optimizer]) -> None:
-  """Raises if `build_towers`' optimizers or inputs do not fit the mode.
-
-  Called before `resolve`, which registers workers: refused towers leave
-  the graph as it was.
-  """
+  """Raises if `build_towers`' optimizers or inputs do not fit the mode."""
   if stage_inputs and inputs is None:
     raise ValueError("stage_inputs=True stages the towers' inputs, but "
                      "inputs is None (model_fn reads its own); pass inputs "

@@ -18,7 +18,6 @@ import tensorflow.compat.v1 as tf
 
 from towers import _allreduce
 from towers import _collectives
-from towers import _workers
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
 Weight = Union[float, tf.Tensor]
@@ -84,7 +83,7 @@ def _dense_mean(present: List[tf.Tensor], weights: List[Weight],
                 devices: List[str], algorithm: str,
                 order: _collectives.LaunchOrder,
                 chunks: Optional[List[int]]) -> List[tf.Tensor]:
-  workers = _workers.count()
+  workers = order.workers
   barrier = _union(waits)
   if not uniform:
     present = [scaled(g, w) for g, w in zip(present, weights)]
@@ -92,13 +91,12 @@ def _dense_mean(present: List[tf.Tensor], weights: List[Weight],
     with tf.device(devices[0]), tf.control_dependencies(barrier):
       local, = _allreduce.all_sum(present, devices[:1], "add_n", order,
                                   divisor=len(present) if uniform else 1)
-    if workers == 1:
+    if workers.num_workers == 1:
       return [local] * len(devices)
     # The worker's mean, all-reduced with the other workers' from this
     # worker's first tower device, and their mean read by every copy.
-    home = _workers.home()
-    mean, = _allreduce.all_sum([local], [home], "collective", order,
-                               divisor=workers)
+    mean, = _allreduce.all_sum([local], [workers.home], "collective", order,
+                               divisor=workers.num_workers)
     return [mean] * len(devices)
   inputs = []
   for g, d, wait in zip(present, devices, waits):
@@ -107,7 +105,8 @@ def _dense_mean(present: List[tf.Tensor], weights: List[Weight],
   # Across workers the group holds every worker's towers: each worker's
   # weights sum to 1, and the workers count equally.
   return _allreduce.all_sum(inputs, devices, algorithm, order, chunks,
-                            divisor=workers * (len(inputs) if uniform else 1))
+                            divisor=workers.num_workers * (
+                                len(inputs) if uniform else 1))
 
 
 def _union(waits: List[List[tf.Operation]]) -> List[tf.Operation]:
@@ -129,14 +128,14 @@ def _sparse_mean(present: List[tf.IndexedSlices], weights: List[Weight],
   with tf.device(devices[0]), tf.control_dependencies(barrier):
     values = combine(values, lambda t: tf.concat(t, 0), uniform)
     indices = combine(indices, lambda t: tf.concat(t, 0), False)
-  workers = _workers.count()
-  if workers > 1:
+  workers = order.workers
+  if workers.num_workers > 1:
     # Every worker's slices, worker after worker (the order one worker's
     # towers would have), then the workers' mean.
-    home = _workers.home()
-    values, indices = _allreduce.all_gather([values, indices], home, order)
-    with tf.device(home):
-      values = values * tf.constant(1.0 / workers, values.dtype)
+    values, indices = _allreduce.all_gather([values, indices], workers.home,
+                                            order)
+    with tf.device(workers.home):
+      values = values * tf.constant(1.0 / workers.num_workers, values.dtype)
   return [tf.IndexedSlices(values, indices, present[0].dense_shape)
          ] * len(devices)
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from towers import _plan
 from towers import _reduction
 from towers import _state
+from towers import _workers
 
 Weight = _reduction.Weight
 
@@ -54,6 +55,15 @@ def plan_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
     if name in state.copied_by:
       return state.copied_by[name]
   return None
+
+
+def graph_workers() -> _workers.Workers:
+  """The workers of the towers built in the default graph: those of several
+  workers, if any (one graph is one worker), else one."""
+  state = _state.of()
+  built = [p for p, _ in state.plans.values()] + list(
+      state.copied_by.values())
+  return next((p.workers for p in built if p.num_workers > 1), _workers.ONE)
 
 
 def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]

@@ -3,10 +3,10 @@
 A user builds towers, averages their gradients and applies them in separate
 calls, and TensorFlow's graph is the only thing those calls share. What a
 later call needs from an earlier one (which variables are copies of which,
-how many workers the graph's collectives span, the order collectives launch
-in on each device) is kept here, in one `GraphState` per graph, which the
-graph holds and which dies with it. Each field has one module that writes
-it; the others read it through that module's functions.
+the order collectives launch in on each device) is kept here, in one
+`GraphState` per graph, which the graph holds and which dies with it. Each
+field has one module that writes it; the others read it through that
+module's functions.
 """
 
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -31,8 +31,6 @@ class GraphState:
       the copy's}.
     averaged_at: `_copies`: the id of the last op that existed when
       gradients were first averaged, or None.
-    num_workers: `_workers`: the worker tasks the collectives span.
-    worker_devices: `_workers`: this worker's tower devices (with workers).
     group_keys: `_collectives`: collective group key -> its members.
     last_instance: `_collectives`: the last collective instance key.
     tower_sets: `_context`: the number of tower sets built (their keys).
@@ -55,8 +53,6 @@ class GraphState:
     self.sources: List[Tuple[Any, Any]] = []
     self.averaged: Dict[int, Dict[str, tf.Tensor]] = {}
     self.averaged_at: Optional[int] = None
-    self.num_workers = 1
-    self.worker_devices: Tuple[str, ...] = ()
     self.group_keys: Dict[int, Tuple[str, ...]] = {}
     self.last_instance = 0
     self.tower_sets = 0

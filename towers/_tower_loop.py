@@ -78,8 +78,8 @@ def build_each_tower(tower_fn: Callable[[int, str, List[object],
   check = _device_check.build(plan.devices, placer,
                               "%s_device_check" % plan.tower_name)
   batches = _Batches(inputs, plan, placer, allow_empty)
-  tower_set = _context.TowerSet(plan.devices, uniform=batches.uniform,
-                                device_check=check, sums=plan.sums)
+  tower_set = _context.TowerSet(plan, uniform=batches.uniform,
+                                device_check=check)
   start = _tf_internals.last_op_id()
   loop = _Loop(tower_fn, builder, placer, check, first_op)
   for i in range(plan.num_towers):

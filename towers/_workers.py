@@ -2,23 +2,43 @@
 
 With ``build_towers(..., num_workers=W)`` every worker task (a process with
 its own ``tf.train.Server``, between-graph replication) builds the same
-graph over its own devices, ``/job:<job>/task:<k>/...``. Its tower devices
-are recorded in the graph's state with the number of workers; a collective
-over them (the gradients' all-reduce, a synchronized batch norm's sums) then
-has one member per tower device of *every* worker (`_collectives`). Each
-worker builds only its own members; TensorFlow's runtime joins them through
-the group leader (task 0, named in
+graph over its own devices, ``/job:<job>/task:<k>/...``. The plan holds the
+number of workers (`Workers`), and the collectives of its towers take it: a
+collective over some devices (the gradients' all-reduce, a synchronized
+batch norm's sums) then has one member per device of *every* worker
+(`_collectives`). Each worker builds only its own members; TensorFlow's
+runtime joins them through the group leader (task 0, named in
 ``ConfigProto.experimental.collective_group_leader``).
 """
 
 import numbers
-from typing import Sequence
+from typing import NamedTuple, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
 from towers import _devices
 from towers import _tf_versions
-from towers import _state
+
+
+class Workers(NamedTuple):
+  """The worker tasks one set of towers' collectives span.
+
+  Attributes:
+    num_workers: the number of workers (1: this graph's towers alone).
+    devices: with workers, this worker's tower devices, in full; else
+      empty.
+  """
+  num_workers: int = 1
+  devices: Tuple[str, ...] = ()
+
+  @property
+  def home(self) -> str:
+    """This worker's first tower device, where what its towers share is
+    all-reduced with the other workers."""
+    return self.devices[0]
+
+
+ONE = Workers()
 
 
 def check_count(num_workers: object) -> int:
@@ -79,36 +99,25 @@ def _task(device: str):
   return (spec.job, spec.task)
 
 
-def register(devices: Sequence[str], num_workers: int) -> None:
-  """Makes the default graph one of `num_workers` workers, whose towers
-  are on `devices` (a no-op for one worker).
+def of(num_workers: int, devices: Sequence[str]) -> Workers:
+  """The workers of towers on `devices` (this worker's), one of
+  `num_workers`."""
+  if num_workers == 1:
+    return ONE
+  return Workers(num_workers, tuple(_devices.canonical(d) for d in devices))
+
+
+def check_one_cluster(mine: Workers, built: Workers) -> None:
+  """Raises unless towers of workers `mine` fit a graph whose towers were
+  `built` of workers: one graph is one worker.
 
   Raises:
-    ValueError: if the graph already belongs to another cluster shape.
+    ValueError: if both are of several workers, and differ.
   """
-  if num_workers == 1:
-    return
-  state = _state.of()
-  mine = (num_workers, tuple(_devices.canonical(d) for d in devices))
-  if state.num_workers == 1:
-    state.num_workers, state.worker_devices = mine
-  registered = (state.num_workers, state.worker_devices)
-  if registered != mine:
+  if mine.num_workers > 1 and built.num_workers > 1 and mine != built:
     raise ValueError(
         "this graph's towers were already built as one of %d workers on "
         "%s; one graph is one worker: build every tower of it with the "
         "same num_workers and devices (got num_workers=%d on %s)"
-        % (registered[0], ", ".join(registered[1]), num_workers,
-           ", ".join(mine[1])))
-
-
-def count() -> int:
-  """The number of workers the default graph's collectives span (1 unless
-  `register` made it one of several)."""
-  return _state.of().num_workers
-
-
-def home() -> str:
-  """This worker's first tower device (where a gradient shared by its
-  towers is all-reduced with the other workers); only with workers."""
-  return _state.of().worker_devices[0]
+        % (built.num_workers, ", ".join(built.devices), mine.num_workers,
+           ", ".join(mine.devices)))
