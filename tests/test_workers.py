@@ -370,7 +370,11 @@ def test_a_workers_tower_context_and_a_by_hand_average_span_every_worker():
     # Lists made by hand after the towers: found by their copies.
     scaled = [[(g * 0.5, v) for g, v in pairs] for pairs in built.tower_grads]
     towers.average_gradients(scaled)
-  assert seen == [2, 2]
+    # Towers of this worker alone (an evaluation's) span what they name.
+    towers.infer(lambda scope, x: seen.append(
+        towers.tower_context().num_workers) or x, 2, inputs=tf.zeros([4]),
+                 devices=WORKER_1)
+  assert seen == [2, 2, 1, 1]
   sizes = {int(tf.get_static_value(op.inputs[1]))
            for op in graph.get_operations() if op.type == "CollectiveReduceV2"}
   assert sizes == {4}
