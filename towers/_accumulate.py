@@ -32,7 +32,6 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow.compat.v1 as tf
 
-from towers import _copies
 from towers import _devices
 from towers import _gradients
 from towers import _regularization
@@ -115,9 +114,11 @@ class _Accumulation:
           if self._sized else None
       self.applies = tf.greater_equal(_read(self._count), float(steps - 1),
                                       name="applies")
+    # Each named after tower 0's variable (copy 0's, when replicated).
     self._accumulators = [
-        [_Accumulator(grad, var, scope, device)
-         for grad, var in pairs]
+        [_Accumulator(grad, var, "%s/%s" % (scope.rstrip("/"), first.op.name),
+                      device)
+         for (grad, var), (_, first) in zip(pairs, towers.tower_grads[0])]
         for pairs, scope, device in zip(towers.tower_grads, towers.scopes,
                                         towers.devices)]
 
@@ -195,7 +196,7 @@ class _Accumulator:
   """One tower's accumulated gradient of one variable, on its devices."""
 
   def __init__(self, grad: Optional[_gradients.Gradient], var: tf.Variable,
-               scope: str, device: str):
+               name: str, device: str):
     self.var = var
     self._grad = grad
     self._parts: List[tf.Tensor] = []
@@ -204,9 +205,6 @@ class _Accumulator:
     self._sparse = isinstance(grad, tf.IndexedSlices)
     if grad is None:
       return
-    primary = _copies.primary_of(var)
-    name = "%s/%s" % (scope.rstrip("/"),
-                      (primary[0] if primary else var).op.name)
     resource = _is_resource(var)
     if self._sparse:
       values = grad.values

@@ -20,7 +20,8 @@ the device of an input that belongs to a variable's update.
 
 import contextlib
 import functools
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import (Callable, ContextManager, Dict, Iterator, List,
+                    Optional)
 
 import tensorflow.compat.v1 as tf
 
@@ -30,6 +31,7 @@ from towers import _gradients
 from towers import _placement
 from towers import _reduction
 from towers import _replay
+from towers import _shares
 from towers import _startup
 
 # Where a routed apply_gradients keeps the optimizer's own.
@@ -87,11 +89,37 @@ def route(opt: tf.train.Optimizer) -> None:
   opt.apply_gradients = routed
 
 
-def per_copy(grads_and_vars: _gradients.GradsAndVars
+@contextlib.contextmanager
+def updating(grads_and_vars: _gradients.GradsAndVars
+            ) -> Iterator[Callable[[Callable[..., tf.Operation],
+                                    Optional[tf.Variable], Optional[str]],
+                                   tf.Operation]]:
+  """Around the update of copy 0's averaged pairs: yields ``update(original,
+  global_step, name)``, which calls `original` (an ``apply_gradients``) once.
+
+  Towers that share their variables update them alone. For replicated
+  towers (found by the copies of the pairs' variables) every copy's pairs
+  are computed on its device on entry, `update` applies them all in that
+  one call, and what it builds waits, at the first step, for the copies to
+  be set from copy 0 (`_copies_set`).
+
+  Raises:
+    TypeError: if an entry is not a pair.
+    ValueError: if a pair names a copy other than copy 0.
+  """
+  pairs = _checked(grads_and_vars)  # Once: it may be an iterator.
+  if _shares.copied_plan([v for _, v in pairs]) is None:
+    yield functools.partial(_update, [pairs], contextlib.nullcontext)
+    return
+  _check_copy_zero(pairs)
+  with _copies_set(pairs):
+    yield functools.partial(_update, _per_copy(pairs), _copies.local_slots)
+
+
+def _per_copy(pairs: _gradients.GradsAndVars
             ) -> List[_gradients.GradsAndVars]:
-  """Returns ``[num_copies]`` pair lists: `grads_and_vars`, then each other
+  """Returns ``[num_copies]`` pair lists: copy 0's `pairs`, then each other
   copy's pairs (its copied variables only), computed on its device."""
-  pairs = _checked(grads_and_vars)
   copies = [_copies.copies_of(v) for _, v in pairs]
   groups = [pairs]
   targets = [t for (g, _), c in zip(pairs, copies) if c
@@ -108,14 +136,16 @@ def per_copy(grads_and_vars: _gradients.GradsAndVars
   return groups
 
 
-def apply_per_copy(original: Callable[..., tf.Operation],
-                   groups: List[_gradients.GradsAndVars],
-                   global_step: Optional[tf.Variable],
-                   name: Optional[str]) -> tf.Operation:
-  """Calls `original` (an ``apply_gradients``) once on every copy's pairs."""
+def _update(groups: List[_gradients.GradsAndVars],
+            slots: Callable[[], ContextManager[None]],
+            original: Callable[..., tf.Operation],
+            global_step: Optional[tf.Variable],
+            name: Optional[str]) -> tf.Operation:
+  """Calls `original` once on every copy's pairs, under `slots` (where
+  the copies' optimizer slots are made)."""
   flat = [pair for group in groups for pair in group]
   kwargs = {} if name is None else {"name": name}
-  with _copies.local_slots(), _next_to_variables(flat):
+  with slots(), _next_to_variables(flat):
     return original(flat, global_step=global_step, **kwargs)
 
 
@@ -125,13 +155,13 @@ def original_apply(opt: tf.train.Optimizer) -> Callable[..., tf.Operation]:
 
 
 @contextlib.contextmanager
-def copies_set(pairs: _gradients.GradsAndVars) -> Iterator[None]:
+def _copies_set(pairs: _gradients.GradsAndVars) -> Iterator[None]:
   """Around the update of the variables of `pairs` (copy 0's ``(grad,
   var)``, a list) and their copies: at the first step, what it builds waits
   for their copies and the slots it makes to be set from copy 0 (a restore
   may have changed copy 0 since)."""
   copies = [(c, v) for _, v in pairs for c in _copies.copies_of(v)]
-  if not copies:
+  if not copies:  # One replicated tower: copy 0 alone.
     yield
     return
   start = _startup.Start()
@@ -141,9 +171,8 @@ def copies_set(pairs: _gradients.GradsAndVars) -> Iterator[None]:
 
 
 def _apply(original, grads_and_vars, global_step, name) -> tf.Operation:
-  pairs = _checked(grads_and_vars)  # Once: it may be an iterator.
-  with copies_set(pairs):
-    return apply_per_copy(original, per_copy(pairs), global_step, name)
+  with updating(grads_and_vars) as update:
+    return update(original, global_step, name)
 
 
 def _checked(grads_and_vars) -> _gradients.GradsAndVars:
@@ -152,13 +181,17 @@ def _checked(grads_and_vars) -> _gradients.GradsAndVars:
     if not isinstance(pair, (list, tuple)) or len(pair) != 2:
       raise TypeError("expected (grad, var) pairs, as average_gradients "
                       "returns them, got %r" % (pair,))
-    primary = _copies.primary_of(pair[1])
+  return [tuple(p) for p in pairs]
+
+
+def _check_copy_zero(pairs: _gradients.GradsAndVars) -> None:
+  for _, var in pairs:
+    primary = _copies.primary_of(var)
     if primary is not None:
       raise ValueError(
           "the pairs name %s, copy %d of %s; apply copy 0's pairs (what "
           "average_gradients returns): every copy takes the same update"
-          % (pair[1].op.name, primary[1], primary[0].op.name))
-  return [tuple(p) for p in pairs]
+          % (var.op.name, primary[1], primary[0].op.name))
 
 
 def _on_copy(grad, replayed: Dict[str, tf.Tensor], copy: tf.Variable):

@@ -101,8 +101,10 @@ class Replicated(OneCopy):
     return grads
 
   def finish(self) -> None:
-    self._start.finish(_devices.host(self.plan.devices[0]),
-                       _copies.of_towers(range(1, self.plan.num_towers)))
+    copies = _copies.of_towers(range(1, self.plan.num_towers))
+    self._start.finish(_devices.host(self.plan.devices[0]), copies)
+    # Applying finds the plan by any copy (to refuse another copy's pairs).
+    _shares.record_copied([copy for copy, _ in copies], self.plan)
 
 
 def builder(plan: _plan.Plan) -> OneCopy:

@@ -34,7 +34,8 @@ def record(tower_grads: Sequence[Sequence[Tuple[object, object]]],
 
 
 def record_copied(variables: Sequence[Any], plan: _plan.Plan) -> None:
-  """Records `variables` (copy 0) as copied by the towers of `plan`."""
+  """Records `variables` (copy 0, or the other copies) as copied by the
+  towers of `plan`."""
   state = _state.of()
   for var in variables:
     state.copied_by[var.op.name] = plan
@@ -51,6 +52,17 @@ def plan_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
         if t.name in state.plans:
           return state.plans[t.name][0]
   for _, var in tower_grads[0] if tower_grads else ():
+    name = getattr(getattr(var, "op", None), "name", None)
+    if name in state.copied_by:
+      return state.copied_by[name]
+  return None
+
+
+def copied_plan(variables: Sequence[Any]) -> Optional[_plan.Plan]:
+  """The plan of the towers that copied any of `variables` (copy 0 or
+  another copy); None if none did."""
+  state = _state.of()
+  for var in variables:
     name = getattr(getattr(var, "op", None), "name", None)
     if name in state.copied_by:
       return state.copied_by[name]

@@ -171,12 +171,11 @@ class _Step:
     self.applied = grads
     # What apply_gradients does, with every copy's gradients built before a
     # loss scale's condition, so that only the update is conditional.
-    with _apply.copies_set(grads):
-      groups = _apply.per_copy(grads)
+    with _apply.updating(grads) as update:
 
       def apply() -> tf.Operation:
-        return _apply.apply_per_copy(_apply.original_apply(self._opt),
-                                     groups, self._global_step, None)
+        return update(_apply.original_apply(self._opt), self._global_step,
+                      None)
 
       return apply() if self._scale is None else self._scale.apply(finite,
                                                                    apply)
