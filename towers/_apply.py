@@ -161,7 +161,7 @@ def _copies_set(pairs: _gradients.GradsAndVars) -> Iterator[None]:
   for their copies and the slots it makes to be set from copy 0 (a restore
   may have changed copy 0 since)."""
   copies = [(c, v) for _, v in pairs for c in _copies.copies_of(v)]
-  if not copies:  # One replicated tower: copy 0 alone.
+  if not copies:  # One tower: copy 0 has no others.
     yield
     return
   start = _startup.Start()
@@ -185,6 +185,7 @@ def _checked(grads_and_vars) -> _gradients.GradsAndVars:
 
 
 def _check_copy_zero(pairs: _gradients.GradsAndVars) -> None:
+  """Raises if a pair names a copy other than copy 0."""
   for _, var in pairs:
     primary = _copies.primary_of(var)
     if primary is not None:

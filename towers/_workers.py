@@ -24,7 +24,7 @@ class Workers(NamedTuple):
   """The worker tasks one set of towers' collectives span.
 
   Attributes:
-    num_workers: the number of workers (1: this graph's towers alone).
+    num_workers: the number of workers (1: this worker's towers alone).
     devices: with workers, this worker's tower devices, in full; else
       empty.
   """
