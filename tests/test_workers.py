@@ -355,7 +355,7 @@ def test_the_graph_of_a_worker_reduces_across_workers():
 
 
 @needs_timeouts
-def test_a_workers_tower_context_and_a_by_hand_average_span_every_worker():
+def test_each_set_of_a_workers_towers_spans_the_workers_its_plan_names():
   seen = []
 
   def model_fn(scope, x):
