@@ -6,9 +6,10 @@ towers' means is wrong when their shards differ (11 examples on 2 towers:
 6 and 5), and replicated copies are all-reduced as they were built. So each
 tower's gradients are recorded with the towers' plan, which holds the
 shares, and so is each variable whose copies the plan made; here, and only
-here, a later call finds the plan again. Lists it cannot tie to one plan,
-in a graph whose towers hold unequal shares, are refused: their shares are
-unknown, and a plain mean would be silently off.
+here, a later call finds the plan again (applying by the variables, and
+`broadcast_variables` the workers of the graph's towers). Lists it cannot
+tie to one plan, in a graph whose towers hold unequal shares, are refused:
+their shares are unknown, and a plain mean would be silently off.
 """
 
 import numbers
@@ -51,11 +52,7 @@ def plan_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]
       for t in _reduction.tensors(grad):
         if t.name in state.plans:
           return state.plans[t.name][0]
-  for _, var in tower_grads[0] if tower_grads else ():
-    name = getattr(getattr(var, "op", None), "name", None)
-    if name in state.copied_by:
-      return state.copied_by[name]
-  return None
+  return copied_plan([v for _, v in tower_grads[0]] if tower_grads else [])
 
 
 def copied_plan(variables: Sequence[Any]) -> Optional[_plan.Plan]:
@@ -72,10 +69,9 @@ def copied_plan(variables: Sequence[Any]) -> Optional[_plan.Plan]:
 def graph_workers() -> _workers.Workers:
   """The workers of the towers built in the default graph: those of several
   workers, if any (one graph is one worker), else one."""
-  state = _state.of()
-  built = [p for p, _ in state.plans.values()] + list(
-      state.copied_by.values())
-  return next((p.workers for p in built if p.num_workers > 1), _workers.ONE)
+  # Towers of several workers are replicated: their copies name their plan.
+  return next((p.workers for p in _state.of().copied_by.values()
+               if p.num_workers > 1), _workers.ONE)
 
 
 def weights_of(tower_grads: Sequence[Sequence[Tuple[object, object]]]

@@ -43,8 +43,8 @@ class GraphState:
       part and its weight-decay parts.
     plans: `_shares`: a tower's gradient tensor's name -> ``(the towers'
       `_plan.Plan`, tower index)``.
-    copied_by: `_shares`: a copied variable's op name (copy 0) -> the plan
-      of the towers that copied it.
+    copied_by: `_shares`: a copied variable's op name (copy 0, or another
+      copy) -> the plan of the towers that copied it.
   """
 
   def __init__(self) -> None:
