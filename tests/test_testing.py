@@ -408,7 +408,7 @@ def test_adam_is_held_to_its_own_noise_not_to_a_fixed_tolerance():
                         lambda: {None: adam()}, 3, {"variable_device": "cpu"})
   batch = models.batch(12)
   one = _programs.one_device(
-      spec, batch, [None, np.random.RandomState(0).permutation(12)])
+      spec, batch, _compare.orders(12, _compare.PERMUTATIONS, 0))
   got = _programs.on_towers(spec, batch, 2, one.initial)
   rows = _compare.compare("cpu", one.runs[0], one.runs[1:], got.values,
                           one.eps)

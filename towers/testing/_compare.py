@@ -26,6 +26,9 @@ from towers import _losses
 
 NOISE_FACTOR = 8.0
 ROUNDING = 64
+# One device's permuted runs by default: one alone can reorder a sum whose
+# value is pure rounding too little to show the noise Adam makes of it.
+PERMUTATIONS = 3
 # The failed rows a message shows.
 SHOWN = 10
 
@@ -68,6 +71,14 @@ class Values(NamedTuple):
   grads: Dict[_losses.Key, Dict[str, np.ndarray]]
   variables: Dict[str, np.ndarray]
   copies: Dict[str, tuple]
+
+
+def orders(rows: int, permutations: int,
+           seed: int) -> List[Optional[np.ndarray]]:
+  """The orders of a batch's `rows` one device runs in: as it is (None),
+  then `permutations` permutations drawn from `seed`."""
+  rng = np.random.RandomState(seed)
+  return [None] + [rng.permutation(rows) for _ in range(permutations)]
 
 
 def compare(case: str, want: Values, noisy: Sequence[Values], got: Values,

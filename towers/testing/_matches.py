@@ -43,7 +43,7 @@ def assert_matches_one_device(model_fn: Callable[..., object],
                               steps: int = 3,
                               variable_device: object = None,
                               uneven: bool = True,
-                              permutations: int = 3,
+                              permutations: int = _compare.PERMUTATIONS,
                               **options) -> None:
   """Asserts that `model_fn` trains on towers as on one device.
 
@@ -87,10 +87,8 @@ def assert_matches_one_device(model_fn: Callable[..., object],
   cases: List[str] = []
   for i, batch in enumerate(_batches(_as_batch(inputs), spec.accumulate_steps,
                                      num_towers, uneven)):
-    rng = np.random.RandomState(i)
     one = _programs.one_device(
-        spec, batch, [None] + [rng.permutation(_rows(batch))
-                               for _ in range(permutations)])
+        spec, batch, _compare.orders(_rows(batch), permutations, i))
     _check_interchangeable(one.runs)
     # The uneven split in the first mode only: the modes split alike.
     for mode in modes if i == 0 else modes[:1]:
