@@ -31,11 +31,13 @@
 # Usage: bash scripts/test.sh [checks] [newest] [oldest] [tf115] [nightly]
 #        (default: checks newest oldest tf115)
 # Virtualenvs go to $VENV_ROOT (default .venv-test/), made anew on each run;
-# pip's cache is reused. Once every environment is set up, the test runs go
-# in two lanes side by side (LANES=1: one after another), each run bounded
-# by $RUN_TIMEOUT_SECS (default 2700). A failed check or test does not stop
-# the run: the last line counts them all, and the exit status is 1 if any
-# failed.
+# pip's cache is reused. The test runs go in two lanes side by side (LANES=1:
+# one after another), each run bounded by $RUN_TIMEOUT_SECS (default 2700):
+# lane b (library tests only) starts each run once its environment is set
+# up, lane a (the examples' too, whose timed waits want the cores to
+# themselves) once every environment is and the checks have run. A failed
+# set-up, check or test does not stop the run: the last line counts them
+# all, and the exit status is 1 if any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
@@ -112,18 +114,32 @@ summary=()
 checked=()
 failed=0
 reports=$(mktemp -d)
-trap 'rm -rf "$reports"' EXIT
+lane_b=""
+stop_lane_b() {  # on an early exit: no run of lane b outlives the script
+  if [ -n "$lane_b" ] && kill -0 "$lane_b" 2>/dev/null; then
+    pkill -TERM -P "$lane_b" 2>/dev/null || true
+    kill "$lane_b" 2>/dev/null || true
+  fi
+}
+trap 'stop_lane_b; rm -rf "$reports"' EXIT
 run=0
 
-# The test runs go to two lanes that run side by side once every
-# environment is set up: pytest keeps about one core busy, and the machines
-# have two. LANES=1 runs them one after another.
-tests() {  # tests LANE PYTHON PYTEST_ARGS... ; queues a pytest run
+# The test runs go to two lanes that run side by side: pytest keeps about
+# one core busy, and the machines have two. LANES=1 runs them one after
+# another.
+tests() {  # tests LANE ENV PYTEST_ARGS... ; queues a pytest run in ENV
   local lane="$1"
   shift
   [ "${LANES:-2}" -gt 1 ] || lane=a
   printf '%q ' "$@" >> "$reports/lane-$lane.jobs"
   echo >> "$reports/lane-$lane.jobs"
+}
+
+ready() {  # ready ENV ; waits until ENV is set up; fails if it was not
+  until [ -e "$reports/ready-$1" ]; do
+    [ ! -e "$reports/unready-$1" ] || return 1
+    sleep 2
+  done
 }
 
 run_lane() {  # run_lane LANE ; its pytest runs, one after another
@@ -132,12 +148,20 @@ run_lane() {  # run_lane LANE ; its pytest runs, one after another
   while IFS= read -r line; do
     n=$((n + 1))
     eval "set -- $line"
-    py="$1"
+    local xml="$reports/lane-$lane-$n.xml"
+    if ! ready "$1"; then  # one failure in the count
+      echo "== lane $lane: $1 was not set up; its run $n is skipped"
+      touch "$reports/lane-failed"
+      cat > "$xml" <<XML
+<testsuite name="lanes" tests="1" failures="1" errors="0" skipped="0"><testcase classname="lanes" name="lane $lane run $n: $1 not set up"/></testsuite>
+XML
+      continue
+    fi
+    py="$root/$1/bin/python"
     shift
     echo "== lane $lane: $py -m pytest $*"
     # A bound on the whole run: a test that hangs (TensorFlow 1.15's
     # collectives ignore timeouts) fails it instead of stalling CI.
-    local xml="$reports/lane-$lane-$n.xml"
     timeout --kill-after=60 "${RUN_TIMEOUT_SECS:-2700}" \
       "$py" -m pytest --junitxml="$xml" "$@" || touch "$reports/lane-failed"
     if [ ! -e "$xml" ]; then  # timed out or died: one failure in the count
@@ -268,66 +292,85 @@ once_only=(--ignore=tests/test_tensorboard.py
            --ignore=tests/test_snippets.py
            --ignore=tests/training)
 
+# The runs, queued before any environment is set up. The library's tests
+# leave out the examples' and the benchmark's.
+library=(--ignore=tests/examples --ignore=tests/test_benchmarks.py)
 for env in "${envs[@]}"; do
   case "$env" in
-    checks)
-      # Pinned, so that a new release of a tool cannot fail a run by itself.
-      # NumPy: its type hints, for mypy.
-      cpy=$(make_venv checks "ruff==0.17.6" "pylint==4.1.4" "mypy==2.4.1" \
-        "build==1.6.1" "twine==7.0.0" numpy)
-      dist=$(mktemp -d "$reports/dist.XXXXXX")
-      check "ruff" "$cpy" -m ruff check .
-      check "indentation (pylint)" "$cpy" -m pylint towers benchmarks \
-        examples tests setup.py
-      check "mypy towers/" "$cpy" -m mypy
-      check "build sdist and wheel" build_dist "$dist"
-      check "twine check" "$cpy" -m twine check --strict "$dist"/*
-      check "wheel[tf] runs the README quick start" wheel_quick_start \
-        "$dist" tf
-      check "wheel[tf1] runs the README quick start on TensorFlow 1.15" \
-        wheel_quick_start "$dist" tf1 "$python37"
-      ;;
     newest)
-      py=$(setup newest -e ".[tf,test]")
-      tests b "$py" tests --ref-variables --ignore=tests/examples \
-        --ignore=tests/test_benchmarks.py "${once_only[@]}"
-      tests a "$py" tests
-      summary+=("$(describe "$py" "ref + resource (examples: resource)")")
-      ;;
+      tests b newest tests --ref-variables "${library[@]}" "${once_only[@]}"
+      tests a newest tests ;;
     oldest)
-      py=$(setup oldest "tensorflow==2.12.*" "numpy<2" -e ".[test]")
-      tests b "$py" tests --ref-variables --ignore=tests/examples \
-        --ignore=tests/test_benchmarks.py "${once_only[@]}"
-      tests b "$py" tests --ignore=tests/examples \
-        --ignore=tests/test_benchmarks.py
-      summary+=("$(describe "$py" "ref + resource")")
-      ;;
+      tests b oldest tests --ref-variables "${library[@]}" "${once_only[@]}"
+      tests b oldest tests "${library[@]}" ;;
     tf115)
-      py=$(venv_python="$python37" setup tf115 -e ".[tf1,test]")
-      tests b "$py" tests --ref-variables --ignore=tests/examples \
-        --ignore=tests/test_benchmarks.py "${once_only[@]}"
-      tests a "$py" tests --ignore=tests/test_benchmarks.py
-      summary+=("$(describe "$py" "ref + resource (examples: resource)")")
-      ;;
+      tests b tf115 tests --ref-variables "${library[@]}" "${once_only[@]}"
+      tests a tf115 tests --ignore=tests/test_benchmarks.py ;;
+    nightly)
+      tests a nightly tests --ref-variables "${library[@]}" "${once_only[@]}"
+      tests b nightly tests "${library[@]}" ;;
+  esac
+done
+run_lane b > "$reports/lane-b.log" 2>&1 &
+lane_b=$!
+
+set_up() {  # set_up ENV KINDS PIP_ARGS... ; then the lanes may run in ENV
+  local env="$1" kinds="$2" py
+  shift 2
+  if py=$(setup "$env" "$@"); then
+    summary+=("$(describe "$py" "$kinds")")
+    touch "$reports/ready-$env"
+  else
+    echo "== $env: its virtualenv could not be set up" >&2
+    touch "$reports/unready-$env"
+  fi
+}
+
+for env in "${envs[@]}"; do
+  case "$env" in
+    newest)
+      set_up newest "ref + resource (examples: resource)" -e ".[tf,test]" ;;
+    oldest)
+      set_up oldest "ref + resource" "tensorflow==2.12.*" "numpy<2" \
+        -e ".[test]" ;;
+    tf115)
+      venv_python="$python37" set_up tf115 \
+        "ref + resource (examples: resource)" -e ".[tf1,test]" ;;
     nightly)
       # tf_keras's nightly pins tf-nightly, a second TensorFlow beside
       # tf-nightly-cpu: it goes in without its dependencies.
-      py=$(make_venv nightly --pre "${TF_NIGHTLY:-tf-nightly-cpu}" -e ".[test]")
-      keras_req=$("$py" -c 'import tensorflow as tf
-print("tf-keras-nightly~=%s.0.dev" % ".".join(tf.__version__.split(".")[:2]))')
-      "$py" -m pip install -q --pre --no-deps "$keras_req"
-      tests a "$py" tests --ref-variables --ignore=tests/examples \
-        --ignore=tests/test_benchmarks.py "${once_only[@]}"
-      tests b "$py" tests --ignore=tests/examples \
-        --ignore=tests/test_benchmarks.py
-      summary+=("$(describe "$py" "ref + resource (nightly)")")
-      ;;
+      if py=$(make_venv nightly --pre "${TF_NIGHTLY:-tf-nightly-cpu}" \
+            -e ".[test]") && keras_req=$("$py" -c 'import tensorflow as tf
+print("tf-keras-nightly~=%s.0.dev" % ".".join(tf.__version__.split(".")[:2]))'
+          ) && "$py" -m pip install -q --pre --no-deps "$keras_req"; then
+        summary+=("$(describe "$py" "ref + resource (nightly)")")
+        touch "$reports/ready-nightly"
+      else
+        touch "$reports/unready-nightly"
+      fi ;;
   esac
 done
 
+case " ${envs[*]} " in *" checks "*)
+  # Pinned, so that a new release of a tool cannot fail a run by itself.
+  # NumPy: its type hints, for mypy.
+  cpy=$(make_venv checks "ruff==0.17.6" "pylint==4.1.4" "mypy==2.4.1" \
+    "build==1.6.1" "twine==7.0.0" numpy)
+  dist=$(mktemp -d "$reports/dist.XXXXXX")
+  check "ruff" "$cpy" -m ruff check .
+  check "indentation (pylint)" "$cpy" -m pylint towers benchmarks \
+    examples tests setup.py
+  check "mypy towers/" "$cpy" -m mypy
+  check "build sdist and wheel" build_dist "$dist"
+  check "twine check" "$cpy" -m twine check --strict "$dist"/*
+  check "wheel[tf] runs the README quick start" wheel_quick_start \
+    "$dist" tf
+  check "wheel[tf1] runs the README quick start on TensorFlow 1.15" \
+    wheel_quick_start "$dist" tf1 "$python37"
+  ;;
+esac
+
 # Lane b's output follows lane a's, once both have ended.
-run_lane b > "$reports/lane-b.log" 2>&1 &
-lane_b=$!
 run_lane a
 wait "$lane_b" || true
 if [ -s "$reports/lane-b.log" ]; then
