@@ -314,12 +314,25 @@ done
 run_lane b > "$reports/lane-b.log" 2>&1 &
 lane_b=$!
 
-set_up() {  # set_up ENV KINDS PIP_ARGS... ; then the lanes may run in ENV
+setup_nightly() {  # prints the nightly venv's python
+  # tf_keras's nightly pins tf-nightly, a second TensorFlow beside
+  # tf-nightly-cpu: it goes in without its dependencies.
+  local py keras_req
+  py=$(make_venv nightly --pre "${TF_NIGHTLY:-tf-nightly-cpu}" -e ".[test]") \
+    || return 1
+  keras_req=$("$py" -c 'import tensorflow as tf
+print("tf-keras-nightly~=%s.0.dev" % ".".join(tf.__version__.split(".")[:2]))'
+  ) || return 1
+  "$py" -m pip install -q --pre --no-deps "$keras_req" >&2 || return 1
+  echo "$py"
+}
+
+set_up() {  # set_up ENV KINDS COMMAND... ; COMMAND prints ENV's python
   local env="$1" kinds="$2" py
   shift 2
-  if py=$(setup "$env" "$@"); then
+  if py=$("$@"); then
     summary+=("$(describe "$py" "$kinds")")
-    touch "$reports/ready-$env"
+    touch "$reports/ready-$env"  # the lanes may run in it
   else
     echo "== $env: its virtualenv could not be set up" >&2
     touch "$reports/unready-$env"
@@ -329,25 +342,16 @@ set_up() {  # set_up ENV KINDS PIP_ARGS... ; then the lanes may run in ENV
 for env in "${envs[@]}"; do
   case "$env" in
     newest)
-      set_up newest "ref + resource (examples: resource)" -e ".[tf,test]" ;;
+      set_up newest "ref + resource (examples: resource)" \
+        setup newest -e ".[tf,test]" ;;
     oldest)
-      set_up oldest "ref + resource" "tensorflow==2.12.*" "numpy<2" \
-        -e ".[test]" ;;
+      set_up oldest "ref + resource" \
+        setup oldest "tensorflow==2.12.*" "numpy<2" -e ".[test]" ;;
     tf115)
       venv_python="$python37" set_up tf115 \
-        "ref + resource (examples: resource)" -e ".[tf1,test]" ;;
+        "ref + resource (examples: resource)" setup tf115 -e ".[tf1,test]" ;;
     nightly)
-      # tf_keras's nightly pins tf-nightly, a second TensorFlow beside
-      # tf-nightly-cpu: it goes in without its dependencies.
-      if py=$(make_venv nightly --pre "${TF_NIGHTLY:-tf-nightly-cpu}" \
-            -e ".[test]") && keras_req=$("$py" -c 'import tensorflow as tf
-print("tf-keras-nightly~=%s.0.dev" % ".".join(tf.__version__.split(".")[:2]))'
-          ) && "$py" -m pip install -q --pre --no-deps "$keras_req"; then
-        summary+=("$(describe "$py" "ref + resource (nightly)")")
-        touch "$reports/ready-nightly"
-      else
-        touch "$reports/unready-nightly"
-      fi ;;
+      set_up nightly "ref + resource (nightly)" setup_nightly ;;
   esac
 done
 

@@ -75,7 +75,7 @@ class Values(NamedTuple):
 
 def orders(rows: int, permutations: int,
            seed: int) -> List[Optional[np.ndarray]]:
-  """The orders of a batch's `rows` one device runs in: as it is (None),
+  """The orders one device runs a batch of `rows` rows in: as it is (None),
   then `permutations` permutations drawn from `seed`."""
   rng = np.random.RandomState(seed)
   return [None] + [rng.permutation(rows) for _ in range(permutations)]
